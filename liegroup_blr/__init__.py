@@ -1,0 +1,24 @@
+"""liegroup_blr: the Lie-group Bayesian learning rule (Kıral, Möllenhoff, Khan, AISTATS 2023).
+
+Posteriors are a Lie group acting on a base distribution, θ = g·ξ with ξ ~ q0, updated along
+the group's exponential map with reparameterised gradients. The optimizers are drop-in
+``torch.optim.Optimizer`` subclasses::
+
+    import liegroup_blr as lgb
+    opt = lgb.AdditiveBLR(model.parameters(), lr=0.05, data_size=len(train_set))
+"""
+
+from . import distributions, fisher, groups, optim
+from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
+
+__all__ = [
+    "AdditiveBLR",
+    "AffineBLR",
+    "LieGroupBLR",
+    "MultiplicativeBLR",
+    "distributions",
+    "fisher",
+    "groups",
+    "optim",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,241 @@
+"""Base distributions q0 that a Lie group pushes forward, and fast in-place samplers.
+
+A base distribution is any scalar :class:`torch.distributions.Distribution`; its draws are
+used elementwise (i.i.d. per coordinate). This module adds the two the method needs beyond
+``torch.distributions`` (:class:`Rayleigh`, :class:`Dirac`), a registry of names, and
+:func:`sample_into`, which fills a tensor in place from an explicit generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.distributions import (
+    Cauchy,
+    Distribution,
+    Exponential,
+    Laplace,
+    LogNormal,
+    Normal,
+    StudentT,
+    Uniform,
+    constraints,
+)
+
+__all__ = ["NAMES", "Dirac", "Rayleigh", "check_base", "from_name", "sample_into"]
+
+_SampleShape = torch.Size | list[int] | tuple[int, ...]
+_SCALAR = torch.Size()
+
+
+class Rayleigh(Distribution):
+    r"""Rayleigh distribution on :math:`(0, \infty)`.
+
+    .. math:: p(x) = \frac{x}{\sigma^2} e^{-x^2 / 2\sigma^2},
+              \qquad x = \sigma\sqrt{2E},\ E \sim \mathrm{Exp}(1).
+
+    Args:
+        scale: :math:`\sigma > 0`.
+    """
+
+    arg_constraints = {"scale": constraints.positive}  # noqa: RUF012 (torch API)
+    support = constraints.positive
+    has_rsample = True
+
+    def __init__(self, scale: float | Tensor = 1.0, validate_args: bool | None = None) -> None:
+        self.scale = torch.as_tensor(scale, dtype=torch.get_default_dtype())
+        super().__init__(self.scale.shape, validate_args=validate_args)
+
+    @property
+    def mean(self) -> Tensor:
+        return self.scale * math.sqrt(math.pi / 2)
+
+    @property
+    def variance(self) -> Tensor:
+        return self.scale**2 * (2 - math.pi / 2)
+
+    @property
+    def mode(self) -> Tensor:
+        return self.scale
+
+    def rsample(self, sample_shape: _SampleShape = _SCALAR) -> Tensor:
+        shape = self._extended_shape(torch.Size(sample_shape))
+        e = torch.empty(shape, dtype=self.scale.dtype, device=self.scale.device).exponential_()
+        return self.scale * (2 * e).sqrt()
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        s2 = self.scale**2
+        return value.log() - s2.log() - value**2 / (2 * s2)
+
+    def cdf(self, value: Tensor) -> Tensor:
+        return -torch.expm1(-(value**2) / (2 * self.scale**2))
+
+    def icdf(self, value: Tensor) -> Tensor:
+        return self.scale * (-2 * torch.log1p(-value)).sqrt()
+
+    def entropy(self) -> Tensor:
+        return 1 + torch.log(self.scale / math.sqrt(2)) + 0.5 * 0.5772156649015329
+
+
+class Dirac(Distribution):
+    """Point mass at ``value``: every draw equals ``value``.
+
+    With the additive group it turns the learning rule into SGD with momentum. Its
+    support is the single point ``[value, value]``; its log-density is 0 there and −∞
+    elsewhere, so it has no Fisher information.
+    """
+
+    arg_constraints = {"value": constraints.real}  # noqa: RUF012 (torch API)
+    has_rsample = True
+
+    def __init__(self, value: float | Tensor = 0.0, validate_args: bool | None = None) -> None:
+        self.value = torch.as_tensor(value, dtype=torch.get_default_dtype())
+        super().__init__(self.value.shape, validate_args=validate_args)
+
+    @constraints.dependent_property(is_discrete=False, event_dim=0)
+    def support(self) -> constraints.Constraint:
+        return constraints.interval(self.value, self.value)
+
+    @property
+    def mean(self) -> Tensor:
+        return self.value
+
+    @property
+    def mode(self) -> Tensor:
+        return self.value
+
+    @property
+    def variance(self) -> Tensor:
+        return torch.zeros_like(self.value)
+
+    def rsample(self, sample_shape: _SampleShape = _SCALAR) -> Tensor:
+        return self.value.expand(self._extended_shape(torch.Size(sample_shape))).clone()
+
+    def log_prob(self, value: Tensor) -> Tensor:
+        return torch.where(value == self.value, 0.0, -math.inf).to(value.dtype)
+
+
+def _student_t(scale: float, df: float = 3.0) -> StudentT:
+    return StudentT(df, 0.0, scale)
+
+
+_REGISTRY: dict[str, Callable[..., Distribution]] = {
+    "gaussian": lambda scale: Normal(0.0, scale),
+    "laplace": lambda scale: Laplace(0.0, scale),
+    "uniform": lambda scale: Uniform(-scale, scale),
+    "student-t": _student_t,
+    "rayleigh": Rayleigh,
+}
+NAMES: tuple[str, ...] = (*_REGISTRY, "dirac")
+"""Names accepted by :func:`from_name`."""
+
+
+def from_name(name: str, scale: float | None = None, **options: float) -> Distribution:
+    """Build a base distribution by name.
+
+    ``gaussian`` N(0, scale²), ``laplace`` Laplace(0, scale), ``uniform`` U(−scale, scale),
+    ``student-t`` t_df(0, scale) (option ``df``, default 3), ``rayleigh`` Rayleigh(scale),
+    ``dirac`` point mass at option ``value`` (default 0; takes no scale).
+
+    Raises:
+        ValueError: unknown name, non-positive scale, or a scale given to ``dirac``.
+    """
+    key = name.lower()
+    if key == "dirac":
+        if scale is not None:
+            raise ValueError("scale: 'dirac' has no scale; pass value=... for its location")
+        return Dirac(options.pop("value", 0.0), **options)  # type: ignore[arg-type]
+    if key not in _REGISTRY:
+        raise ValueError(f"name: unknown base distribution {name!r}; valid names: {NAMES}")
+    scale = 1.0 if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    return _REGISTRY[key](scale, **options)
+
+
+def _lower_bound(support: constraints.Constraint | None) -> float | None:
+    """Lower end of a support constraint (``greater_than``, ``interval``, ...), if any."""
+    low = getattr(support, "lower_bound", None)
+    return None if low is None else float(torch.as_tensor(low).min())
+
+
+def check_base(base: Distribution, positive: bool, name: str = "base") -> Distribution:
+    """Validate a base distribution for a group.
+
+    Args:
+        base: a scalar distribution (``batch_shape == event_shape == ()``).
+        positive: whether the group needs draws in (0, ∞) (multiplicative groups).
+
+    Raises:
+        ValueError: naming ``name`` if ``base`` is not a scalar Distribution or its
+            support does not lie in (0, ∞) when ``positive``.
+    """
+    if not isinstance(base, Distribution):
+        raise ValueError(f"{name}: expected a torch.distributions.Distribution, got {base!r}")
+    if base.batch_shape != torch.Size() or base.event_shape != torch.Size():
+        raise ValueError(
+            f"{name}: must be a scalar distribution (drawn i.i.d. per coordinate), got "
+            f"batch_shape={tuple(base.batch_shape)}, event_shape={tuple(base.event_shape)}"
+        )
+    if positive:
+        low = _lower_bound(base.support)
+        point = isinstance(base, Dirac)
+        if low is None or low < 0 or (low == 0 and point):
+            raise ValueError(
+                f"{name}: the group acts by scaling and needs a base supported on (0, inf); "
+                f"{type(base).__name__} has support {base.support}"
+            )
+    return base
+
+
+def _scalar(t: Tensor | float) -> float:
+    return float(t)
+
+
+def sample_into(
+    base: Distribution, out: Tensor, generator: torch.Generator | None = None
+) -> Tensor:
+    """Fill ``out`` in place with i.i.d. draws of the scalar distribution ``base``.
+
+    Common families use torch's in-place samplers with ``generator`` (one kernel, no
+    allocation); others use inverse-CDF sampling of uniforms from ``generator``; a
+    distribution with neither is sampled with its own ``sample`` under a global RNG
+    seeded from ``generator``, so every draw is reproducible from ``generator``'s state.
+    """
+    if isinstance(base, Normal):
+        return out.normal_(_scalar(base.loc), _scalar(base.scale), generator=generator)
+    if isinstance(base, Rayleigh):
+        return out.exponential_(generator=generator).mul_(2 * _scalar(base.scale) ** 2).sqrt_()
+    if isinstance(base, Dirac):
+        return out.fill_(_scalar(base.value))
+    if isinstance(base, Uniform):
+        return out.uniform_(_scalar(base.low), _scalar(base.high), generator=generator)
+    if isinstance(base, Exponential):
+        return out.exponential_(_scalar(base.rate), generator=generator)
+    if isinstance(base, Cauchy):
+        return out.cauchy_(_scalar(base.loc), _scalar(base.scale), generator=generator)
+    if isinstance(base, LogNormal):
+        return out.log_normal_(_scalar(base.loc), _scalar(base.scale), generator=generator)
+    if isinstance(base, Laplace):
+        # X = loc + scale·E·S with E ~ Exp(1) and a random sign S.
+        sign = torch.empty_like(out).bernoulli_(0.5, generator=generator).mul_(2).sub_(1)
+        return (
+            out.exponential_(generator=generator)
+            .mul_(sign)
+            .mul_(_scalar(base.scale))
+            .add_(_scalar(base.loc))
+        )
+    try:
+        u = torch.empty_like(out).uniform_(generator=generator)
+        return out.copy_(base.icdf(u.to(torch.get_default_dtype())))
+    except NotImplementedError:
+        pass
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=out.device).item())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return out.copy_(base.sample(out.shape))

@@ -1,0 +1,91 @@
+"""The diagonal affine group {(A, b): A > 0} acting by θ = A ⊙ ξ + b."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import LieGroup, Shape
+from .multiplicative import clamp_positive_
+
+__all__ = ["DiagonalAffineGroup", "exprel"]
+
+
+def exprel(u: Tensor) -> Tensor:
+    r""":math:`\varphi(u) = (e^u - 1)/u` with :math:`\varphi(0) = 1`, accurate and differentiable
+    everywhere (``expm1`` away from 0, its Taylor series :math:`1 + u/2 + u^2/6 + u^3/24` for
+    :math:`|u| < \epsilon^{1/4}`)."""
+    small = u.abs() < torch.finfo(u.dtype).eps ** 0.25
+    safe = torch.where(small, torch.ones_like(u), u)
+    taylor = 1 + u * (1 / 2 + u * (1 / 6 + u / 24))
+    return torch.where(small, taylor, torch.expm1(safe) / safe)
+
+
+class DiagonalAffineGroup(LieGroup):
+    r"""Elementwise affine maps :math:`g = (A, b)`, :math:`A > 0`, acting by
+    :math:`g \cdot \xi = A \odot \xi + b`.
+
+    Elements are stacked ``[A, b]`` and algebra vectors ``[u, v]``, both of shape
+    ``(2, *shape)``; base draws have the parameter's shape.
+
+    .. math::
+        (A_1, b_1)(A_2, b_2) = (A_1 A_2,\ A_1 b_2 + b_1), \qquad
+        \exp(u, v) = (e^u,\ v\,\varphi(u)),\ \varphi(u) = \frac{e^u - 1}{u},
+
+    :math:`\log|\det J_g| = \sum \log A`. The point estimate (ξ₀ = 0) is :math:`b`.
+    """
+
+    name = "DiagonalAffine"
+
+    def element_shape(self, shape: Shape) -> torch.Size:
+        return torch.Size((2, *shape))
+
+    def param_shape(self, element_shape: Shape) -> torch.Size:
+        if len(element_shape) == 0 or element_shape[0] != 2:
+            raise ValueError(f"affine elements have shape (2, ...), got {tuple(element_shape)}")
+        return torch.Size(element_shape[1:])
+
+    def identity(
+        self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Tensor:
+        one = torch.ones(shape, dtype=dtype, device=device)
+        return torch.stack((one, torch.zeros_like(one)))
+
+    def exp(self, X: Tensor) -> Tensor:
+        u, v = X[0], X[1]
+        return torch.stack((u.exp(), v * exprel(u)))
+
+    def compose(self, g: Tensor, h: Tensor) -> Tensor:
+        return torch.stack((g[0] * h[0], g[0] * h[1] + g[1]))
+
+    def inverse(self, g: Tensor) -> Tensor:
+        a_inv = g[0].reciprocal()
+        return torch.stack((a_inv, -g[1] * a_inv))
+
+    def act(self, g: Tensor, x: Tensor) -> Tensor:
+        return g[0] * x + g[1]
+
+    def log_abs_det(self, g: Tensor) -> Tensor:
+        return g[0].log().sum()
+
+    def from_point(self, theta: Tensor, scale: float = 1.0) -> Tensor:
+        """``(A, b) = (scale, θ)``."""
+        theta = theta.detach()
+        return torch.stack((torch.full_like(theta, scale), theta))
+
+    def parts(self, g: Tensor) -> dict[str, Tensor]:
+        return {"A": g[0], "b": g[1]}
+
+    def check_element(self, g: Tensor) -> tuple[bool, str | None]:
+        ok, reason = super().check_element(g)
+        if ok and not bool((g[0] > 0).all()):
+            return False, "the scale A of an affine element must be positive"
+        return ok, reason
+
+    def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        return x[0] * u
+
+    def projx(self, x: Tensor) -> Tensor:
+        x = x.clone()
+        clamp_positive_(x[0])
+        return x

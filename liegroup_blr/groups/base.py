@@ -1,0 +1,166 @@
+"""The :class:`LieGroup` interface: a Lie group acting on parameter space, and a geoopt manifold."""
+
+from __future__ import annotations
+
+import abc
+
+import geoopt
+import torch
+import torch.func
+from torch import Tensor
+
+__all__ = ["LieGroup"]
+
+Shape = torch.Size | tuple[int, ...]
+
+
+class LieGroup(geoopt.Manifold, abc.ABC):
+    r"""A Lie group :math:`G` acting on a space in which base draws :math:`\xi \sim q_0` live.
+
+    A posterior candidate is the pushforward :math:`q_g = g \cdot q_0`: a sample is
+    :math:`\theta = \operatorname{readout}(g \cdot \xi)`, and the learning rule moves
+    :math:`g \leftarrow g \cdot \exp(-\alpha X)` with :math:`X` in the Lie algebra.
+
+    Elements, algebra vectors and base draws are tensors. Every ``shape`` argument below is
+    the shape of the *network parameter* the group is used for; :meth:`element_shape`,
+    :meth:`algebra_shape` and :meth:`base_shape` say what it becomes. A subclass implements
+    :meth:`identity`, :meth:`exp`, :meth:`compose`, :meth:`inverse`, :meth:`act` and
+    :meth:`log_abs_det`; the rest has defaults.
+
+    Every group is also a :class:`geoopt.Manifold` whose tangent vectors are Lie-algebra
+    vectors (left trivialisation): ``retr(x, u) = expmap(x, u) = x · exp(u)``, vector
+    transport is the identity and ``egrad2rgrad`` pulls a Euclidean gradient back to the
+    algebra, :math:`\nabla_X f(x \cdot \exp X)|_{X=0}`. An element can therefore be a
+    :class:`geoopt.ManifoldParameter` optimised by geoopt's Riemannian optimisers.
+    """
+
+    name = "LieGroup"
+    ndim = 0
+    reversible = True
+    positive_base: bool = False
+    """Whether base draws must lie in (0, ∞) (groups that act by scaling)."""
+    constant_entropy: bool = False
+    """Whether log|det J_g| is constant, so the temperature term vanishes (translations)."""
+
+    # ----------------------------------------------------------------- shapes
+    def element_shape(self, shape: Shape) -> torch.Size:
+        """Shape of a group element for a parameter of ``shape``."""
+        return torch.Size(shape)
+
+    def algebra_shape(self, shape: Shape) -> torch.Size:
+        """Shape of a Lie-algebra vector for a parameter of ``shape``."""
+        return self.element_shape(shape)
+
+    def base_shape(self, shape: Shape) -> torch.Size:
+        """Shape of a base draw ξ (the space the group acts on) for a parameter of ``shape``."""
+        return torch.Size(shape)
+
+    def param_shape(self, element_shape: Shape) -> torch.Size:
+        """Inverse of :meth:`element_shape`."""
+        return torch.Size(element_shape)
+
+    # ------------------------------------------------------------- structure
+    @abc.abstractmethod
+    def identity(
+        self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Tensor:
+        """The identity element e."""
+
+    @abc.abstractmethod
+    def exp(self, X: Tensor) -> Tensor:
+        """Exponential map from the Lie algebra to the group."""
+
+    @abc.abstractmethod
+    def compose(self, g: Tensor, h: Tensor) -> Tensor:
+        """The product g·h."""
+
+    @abc.abstractmethod
+    def inverse(self, g: Tensor) -> Tensor:
+        """The inverse g⁻¹."""
+
+    @abc.abstractmethod
+    def act(self, g: Tensor, x: Tensor) -> Tensor:
+        """The action g·x on the base space (``x`` has :meth:`base_shape`)."""
+
+    @abc.abstractmethod
+    def log_abs_det(self, g: Tensor) -> Tensor:
+        r"""Scalar :math:`\log|\det J_g|` of :math:`x \mapsto g \cdot x`, so that
+        :math:`H(g \cdot q_0) = H(q_0) + \log|\det J_g|`."""
+
+    def readout(self, x: Tensor) -> Tensor:
+        """The network parameter that a point ``x`` of the base space represents."""
+        return x
+
+    def reference_point(
+        self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Tensor:
+        """The base point ξ₀ at which the point estimate "at g" is read: 0 by default."""
+        return torch.zeros(self.base_shape(shape), dtype=dtype, device=device)
+
+    def point_estimate(self, g: Tensor, xi0: Tensor | None = None) -> Tensor:
+        """Point estimate ``readout(g · ξ₀)`` (ξ₀ defaults to :meth:`reference_point`)."""
+        if xi0 is None:
+            xi0 = self.reference_point(self.param_shape(g.shape), dtype=g.dtype, device=g.device)
+        return self.readout(self.act(g, xi0))
+
+    def from_point(self, theta: Tensor) -> Tensor:
+        """An element whose point estimate is ``theta`` (used to initialise from a network)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define from_point")
+
+    def parts(self, g: Tensor) -> dict[str, Tensor]:
+        """Named components of an element, e.g. ``{'A': ..., 'b': ...}``."""
+        return {"g": g}
+
+    def check_element(self, g: Tensor) -> tuple[bool, str | None]:
+        """Whether ``g`` is a valid (finite, in-domain) element, and why not."""
+        if not bool(torch.isfinite(g).all()):
+            return False, "element has non-finite entries"
+        return True, None
+
+    def algebra_zeros_like(self, g: Tensor) -> Tensor:
+        """The zero algebra vector matching element ``g``."""
+        return g.new_zeros(self.algebra_shape(self.param_shape(g.shape)))
+
+    # -------------------------------------------------- geoopt.Manifold API
+    def retr(self, x: Tensor, u: Tensor) -> Tensor:
+        return self.compose(x, self.exp(u))
+
+    def expmap(self, x: Tensor, u: Tensor) -> Tensor:
+        return self.compose(x, self.exp(u))
+
+    def transp(self, x: Tensor, y: Tensor, v: Tensor) -> Tensor:
+        return v
+
+    def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        pullback = torch.func.vjp(
+            lambda X: self.compose(x, self.exp(X)), self.algebra_zeros_like(x)
+        )[1]
+        return pullback(u)[0]
+
+    def inner(
+        self, x: Tensor, u: Tensor, v: Tensor | None = None, *, keepdim: bool = False
+    ) -> Tensor:
+        return u * u if v is None else u * v
+
+    def proju(self, x: Tensor, u: Tensor) -> Tensor:
+        return u
+
+    def projx(self, x: Tensor) -> Tensor:
+        return x
+
+    def _check_point_on_manifold(
+        self, x: Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
+    ) -> tuple[bool, str | None]:
+        return self.check_element(x)
+
+    def _check_vector_on_tangent(
+        self, x: Tensor, u: Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
+    ) -> tuple[bool, str | None]:
+        return True, None
+
+    def _check_shape(self, shape: Shape, name: str) -> tuple[bool, str | None]:
+        try:
+            self.element_shape(self.param_shape(shape))
+        except ValueError as err:
+            return False, f"{name}: {err}"
+        return True, None

@@ -1,0 +1,105 @@
+"""The multiplicative group (R_{>0}^P, ⊙), optionally split into excitatory/inhibitory parts."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import LieGroup, Shape
+
+__all__ = ["MultiplicativeGroup", "clamp_positive_"]
+
+
+def clamp_positive_(g: Tensor) -> Tensor:
+    """Clamp ``g`` in place to [tiny, max] of its dtype: positive and finite."""
+    info = torch.finfo(g.dtype)
+    return g.clamp_(info.tiny, info.max)
+
+
+class MultiplicativeGroup(LieGroup):
+    r"""Positive scalings acting elementwise, :math:`g \cdot \xi = g \odot \xi`, :math:`g > 0`.
+
+    :math:`\exp(X) = e^X`, :math:`g \cdot h = g \odot h`,
+    :math:`\log|\det J_g| = \sum \log g`. The base q0 must live on (0, ∞) (e.g. Rayleigh).
+
+    With ``signed=True`` (excitatory/inhibitory networks) each weight is the difference of two
+    positive parts, each its own multiplicative element: elements, algebra vectors and base
+    draws have shape ``(2, *shape)``, and
+    :math:`\theta = g^+ \odot \xi^+ - g^- \odot \xi^-`. The point estimate "at g" reads
+    ξ₀ = 1: :math:`g^+ - g^-` (or plain :math:`g` when ``signed=False``).
+    """
+
+    name = "Multiplicative"
+    positive_base = True
+
+    def __init__(self, signed: bool = True) -> None:
+        super().__init__()
+        self.signed = signed
+
+    def extra_repr(self) -> str:
+        return f"signed={self.signed}"
+
+    def element_shape(self, shape: Shape) -> torch.Size:
+        return torch.Size((2, *shape)) if self.signed else torch.Size(shape)
+
+    def base_shape(self, shape: Shape) -> torch.Size:
+        return self.element_shape(shape)
+
+    def param_shape(self, element_shape: Shape) -> torch.Size:
+        if not self.signed:
+            return torch.Size(element_shape)
+        if len(element_shape) == 0 or element_shape[0] != 2:
+            raise ValueError(f"signed elements have shape (2, ...), got {tuple(element_shape)}")
+        return torch.Size(element_shape[1:])
+
+    def identity(
+        self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Tensor:
+        return torch.ones(self.element_shape(shape), dtype=dtype, device=device)
+
+    def exp(self, X: Tensor) -> Tensor:
+        return X.exp()
+
+    def compose(self, g: Tensor, h: Tensor) -> Tensor:
+        return g * h
+
+    def inverse(self, g: Tensor) -> Tensor:
+        return g.reciprocal()
+
+    def act(self, g: Tensor, x: Tensor) -> Tensor:
+        return g * x
+
+    def log_abs_det(self, g: Tensor) -> Tensor:
+        return g.log().sum()
+
+    def readout(self, x: Tensor) -> Tensor:
+        return x[0] - x[1] if self.signed else x
+
+    def reference_point(
+        self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Tensor:
+        return torch.ones(self.base_shape(shape), dtype=dtype, device=device)
+
+    def from_point(self, theta: Tensor, offset: float = 1e-5) -> Tensor:
+        """``(relu(θ) + offset, relu(−θ) + offset)`` when signed (so g⁺ − g⁻ = θ), else θ > 0."""
+        theta = theta.detach()
+        if self.signed:
+            return torch.stack((theta.clamp(min=0), (-theta).clamp(min=0))) + offset
+        if not bool((theta > 0).all()):
+            raise ValueError("theta: an unsigned multiplicative element must be positive")
+        return theta.clone()
+
+    def parts(self, g: Tensor) -> dict[str, Tensor]:
+        return {"g+": g[0], "g-": g[1]} if self.signed else {"g": g}
+
+    def check_element(self, g: Tensor) -> tuple[bool, str | None]:
+        ok, reason = super().check_element(g)
+        if ok and not bool((g > 0).all()):
+            return False, "multiplicative elements must be positive"
+        return ok, reason
+
+    def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        return x * u
+
+    def projx(self, x: Tensor) -> Tensor:
+        return clamp_positive_(x.clone())

@@ -1,0 +1,8 @@
+"""torch.optim optimizers implementing the Lie-group Bayesian learning rule."""
+
+from .additive import AdditiveBLR
+from .affine import AffineBLR
+from .generic import LieGroupBLR
+from .multiplicative import MultiplicativeBLR
+
+__all__ = ["AdditiveBLR", "AffineBLR", "LieGroupBLR", "MultiplicativeBLR"]

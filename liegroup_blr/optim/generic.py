@@ -1,0 +1,510 @@
+"""The Lie-group Bayesian learning rule for any group, and the machinery every rule shares."""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributions import Distribution
+from torch.optim import Optimizer
+
+from ..distributions import check_base, sample_into
+from ..fisher import algebra_gradient, entropy_gradient, fisher_closed_form, fisher_monte_carlo
+from ..groups import LieGroup
+
+__all__ = ["LieGroupBLR"]
+
+Preconditioner = str | Sequence[float] | Tensor | Callable[[Tensor], Tensor] | None
+_POINT_ESTIMATES = ("g", "mean")
+
+
+def state_dtype(p: Tensor) -> torch.dtype:
+    """Group state is kept in float32 for half-precision parameters, else in their dtype."""
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one host sync)."""
+    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    return not extremes or bool(torch.stack(extremes).isfinite().all())
+
+
+def _number(hp: dict[str, Any], key: str, low: float, high: float = math.inf, *, closed=True):
+    """Check low ≤ hp[key] < high (low < ... when not closed); ValueError naming ``key``."""
+    value = hp[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}: expected a number, got {value!r}")
+    ok = (low <= value if closed else low < value) and value < high
+    if not ok or math.isnan(value):
+        lo = "[" if closed else "("
+        raise ValueError(f"{key}: must lie in {lo}{low}, {high}), got {value}")
+
+
+class LieGroupBLR(Optimizer):
+    r"""The Lie-group Bayesian learning rule for any :class:`~liegroup_blr.groups.LieGroup`.
+
+    Each parameter θ is the readout of :math:`g \cdot \xi`, :math:`\xi \sim q_0` (``base``),
+    with its own group element :math:`g`. One step lowers the variational objective
+    :math:`E_q[\bar\ell(\theta)] + \frac{\delta}{N} E_q[\tfrac12\|\theta\|^2]
+    - \frac{\tau}{N} H(q)`:
+
+    .. math::
+        \hat X &= \frac1S \sum_{s=1}^S \nabla_X\, \bar\ell_\delta(\theta_s(X))\big|_{X=0}
+                 - \frac{\tau}{N} \nabla_X \log|\det J_{g \exp X}|\big|_{X=0},
+        \quad \bar\ell_\delta = \bar\ell + \tfrac{\delta}{2N}\|\theta\|^2, \\
+        M &\leftarrow \beta M + (1-\beta)\, P(\hat X), \qquad
+        g \leftarrow g \cdot \exp(-\alpha M),
+
+    with :math:`S` = ``mc_samples`` draws :math:`\theta_s(X) = \operatorname{readout}((g
+    \exp X) \cdot \xi_s)`; the algebra gradients come from ``torch.func.vjp`` through the
+    group's ``exp``, ``compose``, ``act`` (reparameterisation), the entropy gradient from
+    ``torch.func.grad`` of ``log_abs_det``. :math:`P` is the preconditioner: identity (the
+    built-in rules fold the constant Fisher metric into α), per-component step factors, the
+    inverse Fisher metric at the identity, or any callable.
+
+    Outside :meth:`sampled_params` every parameter holds the point estimate
+    ``readout(g · ξ₀)`` (ξ₀ = ``group.reference_point``, or E[ξ] with ``point_estimate="mean"``).
+
+    Args:
+        params: parameters or param groups (each group may set its own ``lr``, ``momentum``,
+            ``base``, ``data_size``, ``temperature``, ``prior_precision``).
+        group: the Lie group.
+        base: scalar base distribution q0, drawn i.i.d. per coordinate.
+        lr: step size α > 0.
+        momentum: β ∈ [0, 1), EMA of the algebra gradient.
+        data_size: N > 0; required when ``prior_precision`` > 0 or the entropy term is used.
+        temperature: τ ≥ 0.
+        prior_precision: δ ≥ 0 of the Gaussian prior N(0, I/δ).
+        mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
+        preconditioner: ``None``, a sequence of per-component factors (one per leading algebra
+            component), ``"fisher"`` (inverse Fisher block at the identity, for groups acting
+            coordinatewise) or a callable ``X -> P(X)``.
+        init: callable ``θ -> g`` giving each parameter's initial element
+            (default ``group.from_point``).
+        point_estimate: ``"g"`` or ``"mean"``.
+        seed: seed of the optimizer's own noise generator; drawn from torch's global RNG
+            when ``None``, so ``torch.manual_seed`` makes runs reproducible.
+
+    Raises:
+        ValueError: naming the argument, for any invalid hyperparameter.
+    """
+
+    lie_group: LieGroup
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        group: LieGroup,
+        base: Distribution,
+        lr: float,
+        momentum: float = 0.9,
+        data_size: float | None = None,
+        temperature: float = 1.0,
+        prior_precision: float = 0.0,
+        mc_samples: int = 1,
+        *,
+        preconditioner: Preconditioner = None,
+        init: Callable[[Tensor], Tensor] | None = None,
+        point_estimate: str = "g",
+        seed: int | None = None,
+    ) -> None:
+        self._init_fn = init
+        self._preconditioner = self._make_preconditioner(preconditioner)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            base=base,
+            data_size=data_size,
+            temperature=temperature,
+            prior_precision=prior_precision,
+        )
+        self._construct(params, group, defaults, mc_samples, point_estimate, seed)
+
+    # ------------------------------------------------------------------ setup
+    def _construct(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        group: LieGroup,
+        defaults: dict[str, Any],
+        mc_samples: int,
+        point_estimate: str,
+        seed: int | None,
+    ) -> None:
+        """Validate the optimizer-level options, then build the param groups and state."""
+        if not isinstance(group, LieGroup):
+            raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples: must be an integer ≥ 1, got {mc_samples!r}")
+        if point_estimate not in _POINT_ESTIMATES:
+            raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        self.lie_group = group
+        self.mc_samples = mc_samples
+        self.point_estimate = point_estimate
+        self.seed = int(seed)
+        self.skipped_steps = 0
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._scratch: dict[Tensor, dict[str, Tensor]] = {}
+        self._accumulated: dict[Tensor, None] = {}
+        self._num_samples = 0
+        self._sampling = False
+        self._fisher_blocks: dict[int, Tensor] = {}
+        super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
+        """Raise ValueError naming the first invalid hyperparameter of a param group."""
+        _number(hp, "lr", 0.0, closed=False)
+        _number(hp, "momentum", 0.0, 1.0)
+        _number(hp, "temperature", 0.0)
+        _number(hp, "prior_precision", 0.0)
+        if hp["data_size"] is not None:
+            _number(hp, "data_size", 0.0, closed=False)
+        elif hp["prior_precision"] > 0 or (
+            hp["temperature"] > 0 and not self.lie_group.constant_entropy
+        ):
+            raise ValueError(
+                "data_size: the number of training examples N is required when "
+                "prior_precision > 0 or temperature > 0 (the objective scales them by 1/N)"
+            )
+        check_base(hp["base"], self.lie_group.positive_base)
+        if self.point_estimate == "mean" and not math.isfinite(float(hp["base"].mean)):
+            raise ValueError("point_estimate: 'mean' needs a base with a finite mean")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, validate its hyperparameters and initialise its state."""
+        options = {k: v for k, v in param_group.items() if k != "params"}
+        self._check_hyperparameters({**self.defaults, **options})
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if not p.is_floating_point():
+                self.param_groups.pop()
+                raise ValueError(f"params: only floating-point parameters, got {p.dtype}")
+        with torch.no_grad():
+            params = self._active(group)
+            for p in params:
+                self._init_state(p, group)
+            self._write_point(group, params)
+
+    def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
+        theta = p.detach().to(state_dtype(p))
+        element = self._init_fn(theta) if self._init_fn else self.lie_group.from_point(theta)
+        element = element.to(theta)
+        if element.shape != self.lie_group.element_shape(p.shape):
+            raise ValueError(f"init: element shape {tuple(element.shape)} does not fit {p.shape}")
+        self.state[p] = {
+            "element": element,
+            "momentum": theta.new_zeros(self.lie_group.algebra_shape(p.shape)),
+        }
+
+    @staticmethod
+    def _active(group: dict[str, Any]) -> list[Tensor]:
+        return [p for p in group["params"] if p.requires_grad]
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed ^ zlib.crc32(str(device).encode()))
+            self._generators[device] = gen
+        return gen
+
+    def _buffer(self, p: Tensor, key: str, shape: torch.Size) -> Tensor:
+        """A reusable scratch tensor of ``shape`` in ``p``'s state dtype."""
+        scratch = self._scratch.setdefault(p, {})
+        buf = scratch.get(key)
+        if buf is None or buf.shape != shape:
+            buf = scratch[key] = torch.empty(shape, dtype=state_dtype(p), device=p.device)
+        return buf
+
+    # ------------------------------------------------------------ public API
+    @contextmanager
+    def sampled_params(self, train: bool = False) -> Iterator[None]:
+        """Hold one posterior sample θ = readout(g·ξ) in the parameters for the block.
+
+        With ``train=True`` the gradients the block leaves in ``p.grad`` are accumulated as one
+        Monte-Carlo sample of the next :meth:`step` (call ``zero_grad`` inside each block). On
+        exit, also on error, the parameters return to the point estimate.
+        """
+        if self._sampling:
+            raise RuntimeError("sampled_params blocks cannot be nested")
+        self._sampling = True
+        try:
+            with torch.no_grad():
+                self._draw_all(train)
+            yield
+            if train:
+                with torch.no_grad():
+                    self._accumulate_all()
+        finally:
+            self._sampling = False
+            with torch.no_grad():
+                self._write_point_all()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every group element.
+
+        Args:
+            closure: zeroes the gradients, evaluates the loss ℓ̄, calls ``backward`` and
+                returns the loss; called ``mc_samples`` times, each at a fresh sample θ.
+                Without a closure, the samples accumulated by ``sampled_params(train=True)``
+                blocks since the last step are used.
+
+        Returns:
+            the mean closure loss over samples (``None`` without a closure).
+
+        A non-finite loss or algebra gradient skips the update with a ``RuntimeWarning``:
+        group elements and momenta are left exactly as they were (``skipped_steps`` counts).
+        """
+        if self._sampling:
+            raise RuntimeError("step() cannot be called inside sampled_params()")
+        loss = None
+        if closure is not None:
+            losses = []
+            for _ in range(self.mc_samples):
+                self._draw_all(train=True)
+                try:
+                    with torch.enable_grad():
+                        value = closure()
+                except BaseException:
+                    self._reset_samples()
+                    self._write_point_all()
+                    raise
+                self._accumulate_all()
+                losses.append(value.detach() if isinstance(value, Tensor) else value)
+            loss = sum(losses) / len(losses)
+        elif self._num_samples == 0:
+            raise RuntimeError(
+                "step() without a closure needs gradients from at least one "
+                "`with optimizer.sampled_params(train=True):` block"
+            )
+        self._update(loss is None or bool(torch.isfinite(torch.as_tensor(loss)).all()))
+        return loss
+
+    def group_element(self, p: Tensor) -> dict[str, Tensor]:
+        """Named components of ``p``'s current group element (detached copies):
+        ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative, ``{'A', 'b'}`` affine,
+        ``{'g'}`` for groups without named parts."""
+        parts = self.lie_group.parts(self.state[p]["element"])
+        return {k: v.detach().clone() for k, v in parts.items()}
+
+    @torch.no_grad()
+    def set_group_element(self, p: Tensor, element: Tensor) -> None:
+        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``) and write the
+        new point estimate into ``p``; momentum is kept."""
+        state = self.state[p]
+        if element.shape != state["element"].shape:
+            raise ValueError(f"element: expected shape {tuple(state['element'].shape)}")
+        ok, reason = self.lie_group.check_element(element)
+        if not ok:
+            raise ValueError(f"element: {reason}")
+        state["element"].copy_(element)
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                self._write_point(group, [p])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state, plus the noise generators' states and the skip count.
+
+        Base distributions belong to the construction, like the parameters: they are left out
+        (so the dict loads with ``torch.load(weights_only=True)``) and
+        :meth:`load_state_dict` keeps those the optimizer was built with.
+        """
+        if self._sampling or self._num_samples:
+            raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group.pop("base", None)
+        sd["rng"] = {str(d): g.get_state() for d, g in self._generators.items()}
+        sd["seed"] = self.seed
+        sd["skipped_steps"] = self.skipped_steps
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: states, hyperparameters, noise generators; the
+        parameters then hold the loaded point estimate."""
+        state_dict = dict(state_dict)
+        rng = state_dict.pop("rng", {})
+        self.seed = int(state_dict.pop("seed", self.seed))
+        self.skipped_steps = int(state_dict.pop("skipped_steps", 0))
+        bases = [group["base"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(ids, params, strict=True):
+            if i in saved:  # undo Optimizer's cast of state to the parameter dtype
+                self.state[p] = {
+                    k: v.to(device=p.device, dtype=state_dtype(p)) for k, v in saved[i].items()
+                }
+        for group, base in zip(self.param_groups, bases, strict=True):
+            group["base"] = base
+        self._generators.clear()
+        for device, gen_state in rng.items():
+            self._generator(torch.device(device)).set_state(gen_state)
+        self._scratch.clear()
+        with torch.no_grad():
+            self._write_point_all()
+
+    # -------------------------------------------------------- the MC loop
+    def _draw_all(self, train: bool) -> None:
+        for group in self.param_groups:
+            params = self._active(group)
+            if params:
+                self._draw(group, params, train)
+
+    def _accumulate_all(self) -> None:
+        for group in self.param_groups:
+            with_grad = [p for p in self._active(group) if p.grad is not None]
+            first = [p for p in with_grad if p not in self._accumulated]
+            rest = [p for p in with_grad if p in self._accumulated]
+            if first:
+                self._accumulate(group, first, True)
+            if rest:
+                self._accumulate(group, rest, False)
+            self._accumulated.update(dict.fromkeys(first))
+        self._num_samples += 1
+
+    def _reset_samples(self) -> None:
+        self._accumulated.clear()
+        self._num_samples = 0
+
+    def _write_point_all(self) -> None:
+        for group in self.param_groups:
+            params = self._active(group)
+            if params:
+                self._write_point(group, params)
+
+    def _update(self, loss_finite: bool) -> None:
+        n = self._num_samples
+        work = [
+            (group, [p for p in self._active(group) if p in self._accumulated])
+            for group in self.param_groups
+        ]
+        work = [(group, params) for group, params in work if params]
+        proposals: list[Tensor] = []
+        if loss_finite:
+            for group, params in work:
+                proposals += self._propose(group, params, n)
+        if loss_finite and all_finite(proposals):
+            for group, params in work:
+                self._commit(group, params)
+        elif work:
+            self.skipped_steps += 1
+            warnings.warn(
+                f"{type(self).__name__}: non-finite loss or gradient; step skipped, "
+                "optimizer state unchanged",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._reset_samples()
+        self._write_point_all()
+
+    # ---------------------------------------------- hooks (generic versions)
+    # _draw writes a sample into the parameters; _accumulate adds one sample's algebra
+    # gradient to scratch "acc"; _propose turns "acc" into the new momentum (still scratch)
+    # and returns it for the finiteness check; _commit swaps it in and moves the elements.
+    def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
+        G = self.lie_group
+        for p in params:
+            xi = self._buffer(p, "xi", G.base_shape(p.shape))
+            sample_into(group["base"], xi, self._generator(p.device))
+            p.copy_(G.readout(G.act(self.state[p]["element"], xi)))
+
+    def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:
+        decay = group["prior_precision"] / group["data_size"] if group["prior_precision"] else 0
+        for p in params:
+            scratch = self._scratch[p]
+            grad = p.grad.to(state_dtype(p))  # type: ignore[union-attr]
+            if decay:
+                grad = grad.add(p.to(grad.dtype), alpha=decay)
+            X = algebra_gradient(self.lie_group, self.state[p]["element"], scratch["xi"], grad)
+            if first:
+                scratch["acc"] = X
+            else:
+                scratch["acc"].add_(X)
+
+    def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
+        G = self.lie_group
+        entropy_weight = 0.0 if G.constant_entropy else group["temperature"]
+        if entropy_weight:
+            entropy_weight /= group["data_size"]
+        out = []
+        for p in params:
+            state, scratch = self.state[p], self._scratch[p]
+            X = scratch["acc"].div_(n)
+            if entropy_weight:
+                X.sub_(entropy_gradient(G, state["element"]), alpha=entropy_weight)
+            X = self._preconditioner(X, group)
+            scratch["acc"] = X.lerp_(state["momentum"], group["momentum"])
+            out.append(scratch["acc"])
+        return out
+
+    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        G = self.lie_group
+        for p in params:
+            state, scratch = self.state[p], self._scratch[p]
+            state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
+            step = G.exp(state["momentum"] * -group["lr"])
+            state["element"] = G.projx(G.compose(state["element"], step))
+
+    def _reference(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        """ξ₀ at which the point estimate is read."""
+        dtype = state_dtype(p)
+        if self.point_estimate == "mean":
+            shape = self.lie_group.base_shape(p.shape)
+            return torch.full(shape, float(group["base"].mean), dtype=dtype, device=p.device)
+        return self.lie_group.reference_point(p.shape, dtype=dtype, device=p.device)
+
+    def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        for p in params:
+            element = self.state[p]["element"]
+            p.copy_(self.lie_group.point_estimate(element, self._reference(group, p)))
+
+    # ------------------------------------------------------ preconditioning
+    def _make_preconditioner(
+        self, spec: Preconditioner
+    ) -> Callable[[Tensor, dict[str, Any]], Tensor]:
+        if spec is None:
+            return lambda X, group: X
+        if callable(spec):
+            return lambda X, group: spec(X)
+        if isinstance(spec, str):
+            if spec != "fisher":
+                raise ValueError(f"preconditioner: unknown {spec!r}; use None, 'fisher', ...")
+            return self._inverse_fisher
+        factors = torch.as_tensor(spec, dtype=torch.float64)
+        if factors.ndim != 1 or not bool((factors > 0).all()):
+            raise ValueError("preconditioner: per-component factors must be a 1-d positive list")
+
+        def scale(X: Tensor, group: dict[str, Any]) -> Tensor:
+            if len(factors) == 1:
+                return X.mul_(float(factors[0]))
+            if X.shape[0] != len(factors):
+                raise ValueError(
+                    f"preconditioner: {len(factors)} factors for {X.shape[0]} algebra components"
+                )
+            return X.mul_(factors.to(X).view(-1, *([1] * (X.ndim - 1))))
+
+        return scale
+
+    def _inverse_fisher(self, X: Tensor, group: dict[str, Any]) -> Tensor:
+        """X ← F⁻¹X with F the per-coordinate Fisher block at the identity."""
+        G, base = self.lie_group, group["base"]
+        block = self._fisher_blocks.get(id(base))
+        if block is None:
+            block = fisher_closed_form(G, base)
+            if block is None:
+                block = fisher_monte_carlo(G, base, generator=self._generator(torch.device("cpu")))
+            self._fisher_blocks[id(base)] = block
+        c = block.shape[0]
+        flat = X.reshape(c, -1)
+        return torch.linalg.solve(block.to(X), flat).reshape(X.shape)
