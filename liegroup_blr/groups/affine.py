@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -53,7 +55,9 @@ class DiagonalAffineGroup(LieGroup):
 
     def exp(self, X: Tensor) -> Tensor:
         u, v = X[0], X[1]
-        return torch.stack((u.exp(), v * exprel(u)))
+        # φ is capped where e^u overflows anyway, so a huge step gives inf, never inf·0.
+        capped = u.clamp(max=math.log(torch.finfo(u.dtype).max))
+        return torch.stack((u.exp(), v * exprel(capped)))
 
     def compose(self, g: Tensor, h: Tensor) -> Tensor:
         return torch.stack((g[0] * h[0], g[0] * h[1] + g[1]))
@@ -86,6 +90,9 @@ class DiagonalAffineGroup(LieGroup):
         return x[0] * u
 
     def projx(self, x: Tensor) -> Tensor:
+        """A clamped to [tiny, max], b to [−max, max] of the dtype."""
         x = x.clone()
         clamp_positive_(x[0])
+        big = torch.finfo(x.dtype).max
+        x[1].clamp_(-big, big)
         return x

@@ -453,7 +453,8 @@ class LieGroupBLR(Optimizer):
         for p in params:
             state, scratch = self.state[p], self._scratch[p]
             state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
-            step = G.exp(state["momentum"] * -group["lr"])
+            big = torch.finfo(state["momentum"].dtype).max
+            step = G.exp((state["momentum"] * -group["lr"]).clamp_(-big, big))
             state["element"] = G.projx(G.compose(state["element"], step))
 
     def _reference(self, group: dict[str, Any], p: Tensor) -> Tensor:
