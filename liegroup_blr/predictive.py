@@ -129,7 +129,8 @@ def reliability_bins(log_probs: Tensor, labels: Tensor, bins: int = 20) -> dict[
 
 
 def ece(log_probs: Tensor, labels: Tensor, bins: int = 20) -> float:
-    """Expected calibration error Σ_b (n_b / N) |acc_b − conf_b| over equal-width bins."""
+    r"""Expected calibration error :math:`\sum_b (n_b / N)\,|\mathrm{acc}_b - \mathrm{conf}_b|` over
+    equal-width bins."""
     hist = reliability_bins(log_probs, labels, bins)
     gap = (hist["accuracy"] - hist["confidence"]).abs()
     return (hist["count"] * gap).sum().item() / labels.shape[0]

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
 
-from ..distributions import sample_into
 from ..groups import AdditiveGroup
 from .generic import LieGroupBLR
 
@@ -27,7 +26,7 @@ class AdditiveBLR(LieGroupBLR):
         \qquad M \leftarrow \beta M + (1-\beta)\hat X, \qquad m \leftarrow m - \alpha M.
 
     With a ``Dirac(0)`` base this is exactly SGD with EMA momentum (M₀ = 0) and weight decay
-    δ/N. The parameters hold :math:`m` outside :meth:`sampled_params`.
+    δ/N. The parameters hold :math:`m` outside :meth:`~LieGroupBLR.sampled_params`.
 
     Args:
         params: parameters or param groups.
@@ -40,6 +39,9 @@ class AdditiveBLR(LieGroupBLR):
         mc_samples: S ≥ 1.
         point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
         seed: seed of the noise generator.
+        noise: ``"fresh"`` or ``"table"`` (see :class:`LieGroupBLR`).
+        antithetic: antithetic pairs of samples (symmetric bases).
+        table_size: values in each noise table.
     """
 
     def __init__(
@@ -55,6 +57,9 @@ class AdditiveBLR(LieGroupBLR):
         *,
         point_estimate: str = "g",
         seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -65,14 +70,23 @@ class AdditiveBLR(LieGroupBLR):
             prior_precision=prior_precision,
         )
         self._init_fn = None
-        self._construct(params, AdditiveGroup(), defaults, mc_samples, point_estimate, seed)
+        self._construct(
+            params,
+            AdditiveGroup(),
+            defaults,
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+        )
 
     def _elements(self, params: list[Tensor]) -> list[Tensor]:
         return [self.state[p]["element"] for p in params]
 
     def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
-        for p in params:  # θ = ξ + m, drawn straight into the parameter
-            sample_into(group["base"], p, self._generator(p.device))
+        self._noise_into(group, params, params)  # θ = ξ + m, drawn straight into the parameter
         torch._foreach_add_(params, self._elements(params))
 
     def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:

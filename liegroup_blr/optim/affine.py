@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
 
-from ..distributions import sample_into
 from ..groups import DiagonalAffineGroup
 from .generic import LieGroupBLR, _number, state_dtype
 from .multiplicative import clamp_finite_positive_, exp_step_
@@ -41,7 +40,8 @@ class AffineBLR(LieGroupBLR):
     rule for a diagonal Gaussian (a variance-preconditioned mean step), and on a quadratic loss
     with a Gaussian q0 its fixed point is the exact Gaussian posterior.
     :math:`(e^{x}-1)/x` is evaluated as :math:`e^{\max(x,0)}\,(1 - e^{-|x|})/|x|`, finite and
-    exact at :math:`M_U = 0`. The parameters hold :math:`b` outside :meth:`sampled_params`.
+    exact at :math:`M_U = 0`. The parameters hold :math:`b` outside
+    :meth:`~LieGroupBLR.sampled_params`.
 
     ``lr`` (α₁) is what ``torch.optim.lr_scheduler`` schedules set; α₂ follows the same
     relative schedule: :math:`\alpha_2 = \text{scale\_lr} \cdot \text{lr} / \text{initial\_lr}`.
@@ -60,6 +60,9 @@ class AffineBLR(LieGroupBLR):
         init_scale: initial A > 0.
         point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
         seed: seed of the noise generator.
+        noise: ``"fresh"`` or ``"table"`` (see :class:`LieGroupBLR`).
+        antithetic: antithetic pairs of samples (symmetric bases).
+        table_size: values in each noise table.
     """
 
     lie_group: DiagonalAffineGroup
@@ -80,6 +83,9 @@ class AffineBLR(LieGroupBLR):
         *,
         point_estimate: str = "g",
         seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -93,7 +99,17 @@ class AffineBLR(LieGroupBLR):
             init_scale=init_scale,
         )
         group = DiagonalAffineGroup()
-        self._construct(params, group, defaults, mc_samples, point_estimate, seed)
+        self._construct(
+            params,
+            group,
+            defaults,
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+        )
 
     def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
         super()._check_hyperparameters(hp)
@@ -121,8 +137,7 @@ class AffineBLR(LieGroupBLR):
 
     def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
         xi = [self._buffer(p, "xi", p.shape) for p in params]
-        for p, buf in zip(params, xi, strict=True):
-            sample_into(group["base"], buf, self._generator(p.device))
+        self._noise_into(group, params, xi)
         torch._foreach_mul_(xi, self._scales(params))  # A ⊙ ξ
         if params[0].dtype == xi[0].dtype:
             torch._foreach_copy_(params, xi)

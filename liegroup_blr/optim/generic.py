@@ -17,11 +17,13 @@ from torch.optim import Optimizer
 from ..distributions import check_base, sample_into
 from ..fisher import algebra_gradient, entropy_gradient, fisher_closed_form, fisher_monte_carlo
 from ..groups import LieGroup
+from ..noise import NOISE_SOURCES, NoiseTable, symmetric_centre
 
 __all__ = ["LieGroupBLR"]
 
 Preconditioner = str | Sequence[float] | Tensor | Callable[[Tensor], Tensor] | None
 _POINT_ESTIMATES = ("g", "mean")
+_CPU = torch.device("cpu")
 
 
 def state_dtype(p: Tensor) -> torch.dtype:
@@ -90,6 +92,14 @@ class LieGroupBLR(Optimizer):
         point_estimate: ``"g"`` or ``"mean"``.
         seed: seed of the optimizer's own noise generator; drawn from torch's global RNG
             when ``None``, so ``torch.manual_seed`` makes runs reproducible.
+        noise: ``"fresh"`` (default) draws ξ from the base at every sample; ``"table"``
+            reads it from a :class:`~liegroup_blr.noise.NoiseTable` at random offsets,
+            far cheaper on a CPU.
+        antithetic: pair each training sample ξ with its reflection 2c − ξ (bases symmetric
+            about c): consecutive samples of a step form pairs, half the draws. A pair cancels
+            the part of the gradient integrand that is odd in ξ − c (on a quadratic loss the
+            location gradients become exact); even parts are not reduced.
+        table_size: values in each noise table (default max(2²⁴, 4 × the largest parameter)).
 
     Raises:
         ValueError: naming the argument, for any invalid hyperparameter.
@@ -113,6 +123,9 @@ class LieGroupBLR(Optimizer):
         init: Callable[[Tensor], Tensor] | None = None,
         point_estimate: str = "g",
         seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
     ) -> None:
         self._init_fn = init
         self._preconditioner = self._make_preconditioner(preconditioner)
@@ -124,7 +137,17 @@ class LieGroupBLR(Optimizer):
             temperature=temperature,
             prior_precision=prior_precision,
         )
-        self._construct(params, group, defaults, mc_samples, point_estimate, seed)
+        self._construct(
+            params,
+            group,
+            defaults,
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+        )
 
     # ------------------------------------------------------------------ setup
     def _construct(
@@ -132,9 +155,13 @@ class LieGroupBLR(Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         group: LieGroup,
         defaults: dict[str, Any],
+        *,
         mc_samples: int,
         point_estimate: str,
         seed: int | None,
+        noise: str,
+        antithetic: bool,
+        table_size: int | None,
     ) -> None:
         """Validate the optimizer-level options, then build the param groups and state."""
         if not isinstance(group, LieGroup):
@@ -143,11 +170,21 @@ class LieGroupBLR(Optimizer):
             raise ValueError(f"mc_samples: must be an integer ≥ 1, got {mc_samples!r}")
         if point_estimate not in _POINT_ESTIMATES:
             raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        if noise not in NOISE_SOURCES:
+            raise ValueError(f"noise: must be one of {NOISE_SOURCES}, got {noise!r}")
+        if table_size is not None and (isinstance(table_size, bool) or table_size < 1):
+            raise ValueError(f"table_size: must be a positive integer, got {table_size!r}")
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self.lie_group = group
         self.mc_samples = mc_samples
         self.point_estimate = point_estimate
+        self.noise = noise
+        self.antithetic = bool(antithetic)
+        self.table_size = table_size
+        self._tables: dict[tuple[int, torch.device, torch.dtype], NoiseTable] = {}
+        self._reflect_next = False  # the next training draw reflects the previous one
+        self._reflect = self._keep = False  # this draw reflects / is kept for reflection
         self.seed = int(seed)
         self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -174,6 +211,11 @@ class LieGroupBLR(Optimizer):
                 "prior_precision > 0 or temperature > 0 (the objective scales them by 1/N)"
             )
         check_base(hp["base"], self.lie_group.positive_base)
+        if self.antithetic and symmetric_centre(hp["base"]) is None:
+            raise ValueError(
+                "antithetic: needs a base symmetric about its centre (Normal, Laplace, "
+                f"Uniform, StudentT, Cauchy, Dirac), got {type(hp['base']).__name__}"
+            )
         if self.point_estimate == "mean" and not math.isfinite(float(hp["base"].mean)):
             raise ValueError("point_estimate: 'mean' needs a base with a finite mean")
 
@@ -356,10 +398,14 @@ class LieGroupBLR(Optimizer):
 
     # -------------------------------------------------------- the MC loop
     def _draw_all(self, train: bool) -> None:
+        self._reflect = train and self._reflect_next
+        self._keep = train and self.antithetic and not self._reflect
         for group in self.param_groups:
             params = self._active(group)
             if params:
                 self._draw(group, params, train)
+        if train and self.antithetic:
+            self._reflect_next = not self._reflect
 
     def _accumulate_all(self) -> None:
         for group in self.param_groups:
@@ -376,6 +422,7 @@ class LieGroupBLR(Optimizer):
     def _reset_samples(self) -> None:
         self._accumulated.clear()
         self._num_samples = 0
+        self._reflect_next = False
 
     def _write_point_all(self) -> None:
         for group in self.param_groups:
@@ -408,6 +455,41 @@ class LieGroupBLR(Optimizer):
         self._reset_samples()
         self._write_point_all()
 
+    # ------------------------------------------------------------ the noise
+    def _noise_into(self, group: dict[str, Any], params: list[Tensor], out: list[Tensor]) -> None:
+        """Fill ``out[i]`` with this draw's base noise ξ for ``params[i]``: fresh, from the
+        noise table, or (second sample of an antithetic pair) the reflection 2c − ξ."""
+        pairs = zip(params, out, strict=True)
+        kept = [self._buffer(p, "antithetic", o.shape) for p, o in pairs] if self.antithetic else []
+        if self._reflect:
+            torch._foreach_copy_(out, kept)
+            torch._foreach_mul_(out, -1.0)
+            centre = symmetric_centre(group["base"])
+            if centre:
+                torch._foreach_add_(out, 2 * centre)
+            return
+        if self.noise == "table":
+            offsets = torch.randint(0, 2**62, (len(out),), generator=self._generator(_CPU))
+            for p, buf, offset in zip(params, out, offsets.tolist(), strict=True):
+                self._table(group, p).fill_(buf, offset)
+        else:
+            for p, buf in zip(params, out, strict=True):
+                sample_into(group["base"], buf, self._generator(p.device))
+        if self._keep:
+            torch._foreach_copy_(kept, out)
+
+    def _table(self, group: dict[str, Any], p: Tensor) -> NoiseTable:
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        key = (index, p.device, state_dtype(p))
+        table = self._tables.get(key)
+        if table is None:
+            largest = max(q.numel() * 2 for q in group["params"])  # 2: signed parts
+            size = self.table_size or max(2**24, 4 * largest)
+            seed = (self.seed + 7919 * (index + 1)) % 2**63
+            table = NoiseTable(group["base"], size, seed, state_dtype(p), p.device)
+            self._tables[key] = table
+        return table
+
     # ---------------------------------------------- hooks (generic versions)
     # _draw writes a sample into the parameters; _accumulate adds one sample's algebra
     # gradient to scratch "acc"; _propose turns "acc" into the new momentum (still scratch)
@@ -416,7 +498,7 @@ class LieGroupBLR(Optimizer):
         G = self.lie_group
         for p in params:
             xi = self._buffer(p, "xi", G.base_shape(p.shape))
-            sample_into(group["base"], xi, self._generator(p.device))
+            self._noise_into(group, [p], [xi])
             p.copy_(G.readout(G.act(self.state[p]["element"], xi)))
 
     def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:

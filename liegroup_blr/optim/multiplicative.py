@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution
 
-from ..distributions import Rayleigh, sample_into
+from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
 from .generic import LieGroupBLR, _number, state_dtype
 
@@ -53,7 +53,7 @@ class MultiplicativeBLR(LieGroupBLR):
     :math:`g^\pm = |w^\pm| + \text{offset}` with :math:`w^+` the parameter's value and
     :math:`w^-` an independent-looking second draw of the same initialisation, made by a
     random permutation of its entries. The parameters hold :math:`g^+ - g^-` outside
-    :meth:`sampled_params` (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
+    :meth:`~LieGroupBLR.sampled_params` (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
 
     Args:
         params: parameters or param groups.
@@ -64,10 +64,13 @@ class MultiplicativeBLR(LieGroupBLR):
         temperature: τ ≥ 0 (reference MLP: 0.006).
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
-        init_offset: offset > 0 added to |w±| at initialisation.
+        init_offset: offset > 0 added to :math:`|w^\pm|` at initialisation.
         signed: excitatory/inhibitory parts (default) or a single positive part.
         point_estimate: ``"g"`` or ``"mean"``.
         seed: seed of the noise generator.
+        noise: ``"fresh"`` or ``"table"`` (see :class:`LieGroupBLR`).
+        antithetic: antithetic pairs of samples (symmetric bases).
+        table_size: values in each noise table.
     """
 
     lie_group: MultiplicativeGroup
@@ -87,6 +90,9 @@ class MultiplicativeBLR(LieGroupBLR):
         signed: bool = True,
         point_estimate: str = "g",
         seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -99,7 +105,17 @@ class MultiplicativeBLR(LieGroupBLR):
         )
         group = MultiplicativeGroup(signed=signed)
         self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
-        self._construct(params, group, defaults, mc_samples, point_estimate, seed)
+        self._construct(
+            params,
+            group,
+            defaults,
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+        )
 
     def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
         super()._check_hyperparameters(hp)
@@ -137,8 +153,7 @@ class MultiplicativeBLR(LieGroupBLR):
     def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
         shape = self.lie_group.base_shape
         w = [self._buffer(p, "w", shape(p.shape)) for p in params]
-        for p, buf in zip(params, w, strict=True):
-            sample_into(group["base"], buf, self._generator(p.device))
+        self._noise_into(group, params, w)
         torch._foreach_mul_(w, [self.state[p]["element"] for p in params])  # w = g ⊙ ξ
         self._readout_into(params, w)
 
