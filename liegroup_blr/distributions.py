@@ -24,6 +24,7 @@ from torch.distributions import (
     Uniform,
     constraints,
 )
+from torch.distributions.utils import broadcast_all
 
 __all__ = ["NAMES", "Dirac", "Rayleigh", "check_base", "from_name", "sample_into"]
 
@@ -46,7 +47,7 @@ class Rayleigh(Distribution):
     has_rsample = True
 
     def __init__(self, scale: float | Tensor = 1.0, validate_args: bool | None = None) -> None:
-        self.scale = torch.as_tensor(scale, dtype=torch.get_default_dtype())
+        (self.scale,) = broadcast_all(scale)
         super().__init__(self.scale.shape, validate_args=validate_args)
 
     @property
@@ -73,6 +74,9 @@ class Rayleigh(Distribution):
         return value.log() - s2.log() - value**2 / (2 * s2)
 
     def cdf(self, value: Tensor) -> Tensor:
+        if self._validate_args:
+            self._validate_sample(value)
+        value = value.clamp(min=0)
         return -torch.expm1(-(value**2) / (2 * self.scale**2))
 
     def icdf(self, value: Tensor) -> Tensor:
@@ -94,7 +98,7 @@ class Dirac(Distribution):
     has_rsample = True
 
     def __init__(self, value: float | Tensor = 0.0, validate_args: bool | None = None) -> None:
-        self.value = torch.as_tensor(value, dtype=torch.get_default_dtype())
+        (self.value,) = broadcast_all(value)
         super().__init__(self.value.shape, validate_args=validate_args)
 
     @constraints.dependent_property(is_discrete=False, event_dim=0)
@@ -184,8 +188,8 @@ def check_base(base: Distribution, positive: bool, name: str = "base") -> Distri
         )
     if positive:
         low = _lower_bound(base.support)
-        point = isinstance(base, Dirac)
-        if low is None or low < 0 or (low == 0 and point):
+        atom_at_zero = isinstance(base, Dirac) or bool(getattr(base.support, "is_discrete", 0))
+        if low is None or low < 0 or (low == 0 and atom_at_zero):
             raise ValueError(
                 f"{name}: the group acts by scaling and needs a base supported on (0, inf); "
                 f"{type(base).__name__} has support {base.support}"
@@ -214,8 +218,8 @@ def sample_into(
     """
     if isinstance(base, Normal):
         return out.normal_(_scalar(base.loc), _scalar(base.scale), generator=generator)
-    if isinstance(base, Rayleigh):
-        u = out.uniform_(generator=generator).neg_().log1p_()
+    if isinstance(base, Rayleigh):  # U ≥ tiny: never exactly 0, outside the support
+        u = out.uniform_(torch.finfo(out.dtype).tiny, 1.0, generator=generator).neg_().log1p_()
         return u.mul_(-2 * _scalar(base.scale) ** 2).sqrt_()
     if isinstance(base, Dirac):
         return out.fill_(_scalar(base.value))
@@ -240,6 +244,6 @@ def sample_into(
     except NotImplementedError:
         pass
     seed = int(torch.randint(0, 2**62, (), generator=generator, device=out.device).item())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):  # CPU state only: seed just the CPU generator
+        torch.default_generator.manual_seed(seed)
         return out.copy_(base.sample(out.shape))

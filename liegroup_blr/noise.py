@@ -19,7 +19,7 @@ from .distributions import Dirac, sample_into
 __all__ = ["NOISE_SOURCES", "NoiseTable", "symmetric_centre"]
 
 NOISE_SOURCES = ("fresh", "table")
-"""Noise sources the optimizers accept: fresh draws from the base, or a :class:`NoiseTable`."""
+"""Noise sources the optimizers accept (fresh draws from the base, or a :class:`NoiseTable`)."""
 
 
 def symmetric_centre(base: Distribution) -> float | None:

@@ -122,11 +122,18 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         return g.new_zeros(self.algebra_shape(self.param_shape(g.shape)))
 
     # -------------------------------------------------- geoopt.Manifold API
+    def step(self, x: Tensor, u: Tensor) -> Tensor:
+        """``x · exp(u)`` kept in the group for any step: ``u`` is clamped to the finite range
+        of its dtype (an overflowed step cannot make inf·0) and the result goes through
+        :meth:`projx`."""
+        big = torch.finfo(u.dtype).max
+        return self.projx(self.compose(x, self.exp(u.clamp(-big, big))))
+
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
-        return self.compose(x, self.exp(u))
+        return self.step(x, u)
 
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
-        return self.compose(x, self.exp(u))
+        return self.step(x, u)
 
     def transp(self, x: Tensor, y: Tensor, v: Tensor) -> Tensor:
         return v

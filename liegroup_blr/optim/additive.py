@@ -37,11 +37,10 @@ class AdditiveBLR(LieGroupBLR):
         temperature: τ ≥ 0 (no effect: the entropy of m + ξ does not depend on m).
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
-        point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
-        seed: seed of the noise generator.
-        noise: ``"fresh"`` or ``"table"`` (see :class:`LieGroupBLR`).
-        antithetic: antithetic pairs of samples (symmetric bases).
-        table_size: values in each noise table.
+        **options: keyword-only optimizer-level options of :class:`LieGroupBLR`:
+            ``point_estimate`` — ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
+            ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+            ``process_group``.
     """
 
     def __init__(
@@ -54,12 +53,7 @@ class AdditiveBLR(LieGroupBLR):
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
-        *,
-        point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -70,17 +64,7 @@ class AdditiveBLR(LieGroupBLR):
             prior_precision=prior_precision,
         )
         self._init_fn = None
-        self._construct(
-            params,
-            AdditiveGroup(),
-            defaults,
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-        )
+        self._construct(params, AdditiveGroup(), defaults, mc_samples, **options)
 
     def _elements(self, params: list[Tensor]) -> list[Tensor]:
         return [self.state[p]["element"] for p in params]
@@ -107,12 +91,14 @@ class AdditiveBLR(LieGroupBLR):
         torch._foreach_lerp_(acc, [self.state[p]["momentum"] for p in params], group["momentum"])
         return acc
 
+    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
+        return [self._scratch[p]["acc"] for p in params]
+
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        for p in params:
-            state, scratch = self.state[p], self._scratch[p]
-            state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
-        moms = [self.state[p]["momentum"] for p in params]
-        torch._foreach_add_(self._elements(params), moms, alpha=-group["lr"])
+        acc = self._accumulators(params)
+        torch._foreach_copy_([self.state[p]["momentum"] for p in params], acc)
+        torch._foreach_mul_(acc, -group["lr"])  # the old momentum buffer is free: −αM
+        torch._foreach_add_(self._elements(params), acc)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         torch._foreach_copy_(params, self._elements(params))

@@ -44,7 +44,7 @@ class AffineBLR(LieGroupBLR):
     :meth:`~LieGroupBLR.sampled_params`.
 
     ``lr`` (α₁) is what ``torch.optim.lr_scheduler`` schedules set; α₂ follows the same
-    relative schedule: :math:`\alpha_2 = \text{scale\_lr} \cdot \text{lr} / \text{initial\_lr}`.
+    relative schedule: the scale's step is ``scale_lr * lr / initial_lr``.
 
     Args:
         params: parameters or param groups.
@@ -58,11 +58,10 @@ class AffineBLR(LieGroupBLR):
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         init_scale: initial A > 0.
-        point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
-        seed: seed of the noise generator.
-        noise: ``"fresh"`` or ``"table"`` (see :class:`LieGroupBLR`).
-        antithetic: antithetic pairs of samples (symmetric bases).
-        table_size: values in each noise table.
+        **options: keyword-only optimizer-level options of :class:`LieGroupBLR`:
+            ``point_estimate`` — ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
+            ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+            ``process_group``.
     """
 
     lie_group: DiagonalAffineGroup
@@ -80,12 +79,7 @@ class AffineBLR(LieGroupBLR):
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         init_scale: float = 1.0,
-        *,
-        point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -99,17 +93,7 @@ class AffineBLR(LieGroupBLR):
             init_scale=init_scale,
         )
         group = DiagonalAffineGroup()
-        self._construct(
-            params,
-            group,
-            defaults,
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-        )
+        self._construct(params, group, defaults, mc_samples, **options)
 
     def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
         super()._check_hyperparameters(hp)
@@ -162,6 +146,9 @@ class AffineBLR(LieGroupBLR):
             torch._foreach_add_([self._scratch[p]["acc_u"] for p in params], xi)
             torch._foreach_add_(acc_v, grads)
 
+    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
+        return [self._scratch[p][key] for key in ("acc_u", "acc_v") for p in params]
+
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
         acc_u = [self._scratch[p]["acc_u"] for p in params]
         acc_v = [self._scratch[p]["acc_v"] for p in params]
@@ -202,7 +189,8 @@ class AffineBLR(LieGroupBLR):
         torch._foreach_mul_(u, y)
         torch._foreach_mul_(u, v)
         torch._foreach_mul_(u, A)
-        torch._foreach_add_(b, u, alpha=lr)
+        torch._foreach_mul_(u, lr)
+        torch._foreach_add_(b, u)
         torch._foreach_clamp_min_(b, -info.max)
         torch._foreach_clamp_max_(b, info.max)
         torch._foreach_copy_(v, [m[0] for m in moms])

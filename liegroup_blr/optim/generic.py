@@ -10,7 +10,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributions import Distribution
 from torch.optim import Optimizer
 
@@ -35,6 +37,17 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     """Whether every entry of every tensor is finite (one host sync)."""
     extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
     return not extremes or bool(torch.stack(extremes).isfinite().all())
+
+
+def _shared_seed(seed: int | None, process_group: Any) -> int:
+    """The given seed, or one drawn from torch's global RNG; rank 0's across a group."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    if process_group is None:
+        return int(seed)
+    box = [int(seed)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
+    return box[0]
 
 
 def _number(hp: dict[str, Any], key: str, low: float, high: float = math.inf, *, closed=True):
@@ -89,17 +102,29 @@ class LieGroupBLR(Optimizer):
             coordinatewise) or a callable ``X -> P(X)``.
         init: callable ``θ -> g`` giving each parameter's initial element
             (default ``group.from_point``).
-        point_estimate: ``"g"`` or ``"mean"``.
-        seed: seed of the optimizer's own noise generator; drawn from torch's global RNG
-            when ``None``, so ``torch.manual_seed`` makes runs reproducible.
-        noise: ``"fresh"`` (default) draws ξ from the base at every sample; ``"table"``
-            reads it from a :class:`~liegroup_blr.noise.NoiseTable` at random offsets,
-            far cheaper on a CPU.
-        antithetic: pair each training sample ξ with its reflection 2c − ξ (bases symmetric
-            about c): consecutive samples of a step form pairs, half the draws. A pair cancels
-            the part of the gradient integrand that is odd in ξ − c (on a quadratic loss the
-            location gradients become exact); even parts are not reduced.
-        table_size: values in each noise table (default max(2²⁴, 4 × the largest parameter)).
+        **options: optimizer-level options, keyword-only, shared by every rule:
+
+            * ``point_estimate`` — ``"g"`` (default) or ``"mean"``.
+            * ``seed`` — seed of the optimizer's own noise generator; drawn from torch's global
+              RNG when ``None``, so ``torch.manual_seed`` makes runs reproducible.
+            * ``noise`` — ``"fresh"`` (default) draws ξ from the base at every sample;
+              ``"table"`` reads it from a :class:`~liegroup_blr.noise.NoiseTable` at random
+              offsets, far cheaper on a CPU.
+            * ``antithetic`` — pair each training sample ξ with its reflection 2c − ξ (bases
+              symmetric about c): consecutive samples of a step form pairs, half the draws. A
+              pair cancels the part of the gradient integrand that is odd in ξ − c (on a
+              quadratic loss the location gradients become exact); even parts are not reduced.
+            * ``table_size`` — values in each noise table (default max(2²⁴, 4 × the largest
+              parameter)).
+            * ``compile`` — run the update arithmetic as two ``torch.compile`` graphs (the
+              proposal of the new momenta, then the move of the elements) with no graph
+              breaks; the learning rate enters as a tensor, so schedules don't recompile.
+            * ``process_group`` — a ``torch.distributed`` process group (e.g.
+              ``torch.distributed.group.WORLD``) to train over: every process draws its own
+              noise, the algebra-gradient accumulators and sample counts are summed across
+              processes before the update (not ``p.grad``: the algebra gradients are
+              nonlinear in each process's noise), so the group state stays identical
+              everywhere. Do not wrap the model in DistributedDataParallel.
 
     Raises:
         ValueError: naming the argument, for any invalid hyperparameter.
@@ -121,11 +146,7 @@ class LieGroupBLR(Optimizer):
         *,
         preconditioner: Preconditioner = None,
         init: Callable[[Tensor], Tensor] | None = None,
-        point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
+        **options: Any,
     ) -> None:
         self._init_fn = init
         self._preconditioner = self._make_preconditioner(preconditioner)
@@ -137,17 +158,7 @@ class LieGroupBLR(Optimizer):
             temperature=temperature,
             prior_precision=prior_precision,
         )
-        self._construct(
-            params,
-            group,
-            defaults,
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-        )
+        self._construct(params, group, defaults, mc_samples, **options)
 
     # ------------------------------------------------------------------ setup
     def _construct(
@@ -155,15 +166,18 @@ class LieGroupBLR(Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         group: LieGroup,
         defaults: dict[str, Any],
-        *,
         mc_samples: int,
-        point_estimate: str,
-        seed: int | None,
-        noise: str,
-        antithetic: bool,
-        table_size: int | None,
+        *,
+        point_estimate: str = "g",
+        seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
+        compile: bool = False,
+        process_group: Any = None,
     ) -> None:
-        """Validate the optimizer-level options, then build the param groups and state."""
+        """Validate the optimizer-level options (documented on :class:`LieGroupBLR`), then
+        build the param groups and their state."""
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
@@ -174,26 +188,32 @@ class LieGroupBLR(Optimizer):
             raise ValueError(f"noise: must be one of {NOISE_SOURCES}, got {noise!r}")
         if table_size is not None and (isinstance(table_size, bool) or table_size < 1):
             raise ValueError(f"table_size: must be a positive integer, got {table_size!r}")
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
         self.lie_group = group
         self.mc_samples = mc_samples
         self.point_estimate = point_estimate
         self.noise = noise
         self.antithetic = bool(antithetic)
         self.table_size = table_size
+        self.process_group = process_group
+        self._rank = 0 if process_group is None else dist.get_rank(process_group)
+        self.seed = _shared_seed(seed, process_group)
+        self.skipped_steps = 0
         self._tables: dict[tuple[int, torch.device, torch.dtype], NoiseTable] = {}
         self._reflect_next = False  # the next training draw reflects the previous one
         self._reflect = self._keep = False  # this draw reflects / is kept for reflection
-        self.seed = int(seed)
-        self.skipped_steps = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._scratch: dict[Tensor, dict[str, Tensor]] = {}
         self._accumulated: dict[Tensor, None] = {}
         self._num_samples = 0
         self._sampling = False
         self._fisher_blocks: dict[int, Tensor] = {}
+        self.compile = bool(compile)
+        if self.compile:  # one graph each; lr enters as a tensor, so schedules don't recompile
+            self._propose = torch.compile(self._propose, fullgraph=True)  # type: ignore[method-assign]
+            self._commit = torch.compile(self._commit, fullgraph=True)  # type: ignore[method-assign]
         super().__init__(params, defaults)
+        if process_group is not None:
+            self._broadcast_state()
 
     def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
         """Raise ValueError naming the first invalid hyperparameter of a param group."""
@@ -254,7 +274,7 @@ class LieGroupBLR(Optimizer):
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed ^ zlib.crc32(str(device).encode()))
+            gen.manual_seed(self.seed ^ zlib.crc32(f"{device}:{self._rank}".encode()))
             self._generators[device] = gen
         return gen
 
@@ -433,10 +453,15 @@ class LieGroupBLR(Optimizer):
     def _update(self, loss_finite: bool) -> None:
         n = self._num_samples
         work = [
-            (group, [p for p in self._active(group) if p in self._accumulated])
+            (
+                self._hyperparameters(group),
+                [p for p in self._active(group) if p in self._accumulated],
+            )
             for group in self.param_groups
         ]
         work = [(group, params) for group, params in work if params]
+        if self.process_group is not None:
+            n, loss_finite = self._all_reduce(work, n, loss_finite)
         proposals: list[Tensor] = []
         if loss_finite:
             for group, params in work:
@@ -454,6 +479,47 @@ class LieGroupBLR(Optimizer):
             )
         self._reset_samples()
         self._write_point_all()
+
+    def _hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The group as the update sees it: under ``compile`` its lr is a 0-d tensor."""
+        if not self.compile:
+            return group
+        device = group["params"][0].device
+        return {**group, "lr": torch.tensor(float(group["lr"]), device=device)}
+
+    # ------------------------------------------------------------- distribution
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        """Give every process rank 0's initial elements (and parameters)."""
+        src = dist.get_global_rank(self.process_group, 0)
+        for group in self.param_groups:
+            params = self._active(group)
+            for p in params:
+                dist.broadcast(self.state[p]["element"], src=src, group=self.process_group)
+            if params:
+                self._write_point(group, params)
+
+    def _all_reduce(
+        self, work: list[tuple[dict[str, Any], list[Tensor]]], n: int, loss_finite: bool
+    ) -> tuple[int, bool]:
+        """Sum the algebra-gradient accumulators, sample counts and non-finite flags over the
+        process group, in one flat buffer per (device, dtype)."""
+        accumulators = [t for group, params in work for t in self._accumulators(params)]
+        device = accumulators[0].device if accumulators else _CPU
+        if dist.get_backend(self.process_group) == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        counts = torch.tensor([float(n), float(not loss_finite)], device=device)
+        dist.all_reduce(counts, group=self.process_group)
+        buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for t in accumulators:
+            buckets.setdefault((t.device, t.dtype), []).append(t)
+        for bucket in buckets.values():
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.process_group)
+            for t, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+                t.copy_(summed)
+        total, bad = counts.tolist()
+        return int(total), bad == 0
 
     # ------------------------------------------------------------ the noise
     def _noise_into(self, group: dict[str, Any], params: list[Tensor], out: list[Tensor]) -> None:
@@ -485,7 +551,7 @@ class LieGroupBLR(Optimizer):
         if table is None:
             largest = max(q.numel() * 2 for q in group["params"])  # 2: signed parts
             size = self.table_size or max(2**24, 4 * largest)
-            seed = (self.seed + 7919 * (index + 1)) % 2**63
+            seed = (self.seed + 7919 * (index + 1) + 104729 * self._rank) % 2**63
             table = NoiseTable(group["base"], size, seed, state_dtype(p), p.device)
             self._tables[key] = table
         return table
@@ -514,6 +580,10 @@ class LieGroupBLR(Optimizer):
             else:
                 scratch["acc"].add_(X)
 
+    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
+        """The tensors that sum the samples' algebra gradients (all-reduced across processes)."""
+        return [self._scratch[p]["acc"] for p in params]
+
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
         G = self.lie_group
         entropy_weight = 0.0 if G.constant_entropy else group["temperature"]
@@ -535,9 +605,7 @@ class LieGroupBLR(Optimizer):
         for p in params:
             state, scratch = self.state[p], self._scratch[p]
             state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
-            big = torch.finfo(state["momentum"].dtype).max
-            step = G.exp((state["momentum"] * -group["lr"]).clamp_(-big, big))
-            state["element"] = G.projx(G.compose(state["element"], step))
+            state["element"] = G.step(state["element"], state["momentum"] * -group["lr"])
 
     def _reference(self, group: dict[str, Any], p: Tensor) -> Tensor:
         """ξ₀ at which the point estimate is read."""

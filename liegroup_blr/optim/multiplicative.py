@@ -66,11 +66,10 @@ class MultiplicativeBLR(LieGroupBLR):
         mc_samples: S ≥ 1.
         init_offset: offset > 0 added to :math:`|w^\pm|` at initialisation.
         signed: excitatory/inhibitory parts (default) or a single positive part.
-        point_estimate: ``"g"`` or ``"mean"``.
-        seed: seed of the noise generator.
-        noise: ``"fresh"`` or ``"table"`` (see :class:`LieGroupBLR`).
-        antithetic: antithetic pairs of samples (symmetric bases).
-        table_size: values in each noise table.
+        **options: keyword-only optimizer-level options of :class:`LieGroupBLR`:
+            ``point_estimate`` — ``"g"`` or ``"mean"``.
+            ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+            ``process_group``.
     """
 
     lie_group: MultiplicativeGroup
@@ -88,11 +87,7 @@ class MultiplicativeBLR(LieGroupBLR):
         init_offset: float = 1e-5,
         *,
         signed: bool = True,
-        point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -105,17 +100,7 @@ class MultiplicativeBLR(LieGroupBLR):
         )
         group = MultiplicativeGroup(signed=signed)
         self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
-        self._construct(
-            params,
-            group,
-            defaults,
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-        )
+        self._construct(params, group, defaults, mc_samples, **options)
 
     def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
         super()._check_hyperparameters(hp)
@@ -173,8 +158,11 @@ class MultiplicativeBLR(LieGroupBLR):
         else:
             torch._foreach_add_([self._scratch[p]["acc"] for p in params], w)
 
+    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
+        return [self._scratch[p]["acc"] for p in params]
+
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc = [self._scratch[p]["acc"] for p in params]
+        acc = self._accumulators(params)
         plus, minus = self._parts(acc)
         if n > 1:
             torch._foreach_div_(plus, n)
@@ -186,7 +174,7 @@ class MultiplicativeBLR(LieGroupBLR):
         return acc
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        acc = [self._scratch[p]["acc"] for p in params]
+        acc = self._accumulators(params)
         torch._foreach_copy_([self.state[p]["momentum"] for p in params], acc)
         elements = [self.state[p]["element"] for p in params]
         torch._foreach_mul_(elements, exp_step_(acc, group["lr"]))

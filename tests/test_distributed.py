@@ -1,0 +1,91 @@
+"""Training over processes: 2 gloo processes equal one process with the union of their work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import liegroup_blr as lgb
+
+from .test_optim import make_problem
+
+STEPS = 4
+CPU = torch.device("cpu")
+
+
+def make_opt(params, **kw):
+    return lgb.MultiplicativeBLR(params, lr=0.5, data_size=64, temperature=0.2, seed=5, **kw)
+
+
+def batch_for(x, y, rank, mode):
+    """Data parallelism: each process its half of the batch; MC parallelism: the whole batch."""
+    if mode == "mc":
+        return x, y
+    half = len(x) // 2
+    return x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
+
+
+def _worker(rank: int, world: int, folder: str, mode: str) -> None:
+    init = f"file://{folder}/init"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.manual_seed(100 + rank)  # the model and noise must not depend on this
+        model, x, y = make_problem()
+        if rank == 1:  # a different local initialisation: rank 0's state is broadcast
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        opt = make_opt(model.parameters(), process_group=dist.group.WORLD)
+        generator_state = opt._generator(CPU).get_state()
+        xb, yb = batch_for(x, y, rank, mode)
+        for _ in range(STEPS):
+
+            def closure():
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(xb), yb)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        torch.save(
+            {
+                "generator": generator_state,
+                "params": [p.detach() for p in model.parameters()],
+                "states": [opt.state[p] for p in model.parameters()],
+            },
+            f"{folder}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["data", "mc"])
+def test_two_processes_equal_one_process_with_their_samples_and_noise(tmp_path, mode):
+    mp.spawn(_worker, args=(2, str(tmp_path), mode), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    # group state identical on every process
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+    # One process, two samples per step: sample r sees rank r's batch and rank r's noise.
+    model, x, y = make_problem()
+    opt = make_opt(model.parameters())
+    streams = [res["generator"] for res in results]
+    for _ in range(STEPS):
+        for r in range(2):
+            opt._generator(CPU).set_state(streams[r])
+            xb, yb = batch_for(x, y, r, mode)
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(xb), yb).backward()
+            streams[r] = opt._generator(CPU).get_state()
+        opt.step()
+    for p, q in zip(model.parameters(), results[0]["params"], strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-12, atol=1e-14)
+    for p, state in zip(model.parameters(), results[0]["states"], strict=True):
+        for key in ("element", "momentum"):
+            torch.testing.assert_close(opt.state[p][key], state[key], rtol=1e-12, atol=1e-14)
+    assert not torch.equal(streams[0], streams[1])  # independent noise on the two processes
