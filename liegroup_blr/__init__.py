@@ -8,7 +8,8 @@ the group's exponential map with reparameterised gradients. The optimizers are d
     opt = lgb.AdditiveBLR(model.parameters(), lr=0.05, data_size=len(train_set))
 """
 
-from . import distributions, fisher, groups, optim
+from . import distributions, fisher, groups, mc, noise, optim
+from .mc import mc_step
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 
 __all__ = [
@@ -19,6 +20,9 @@ __all__ = [
     "distributions",
     "fisher",
     "groups",
+    "mc",
+    "mc_step",
+    "noise",
     "optim",
 ]
 __version__ = "0.1.0"

@@ -43,6 +43,8 @@ class AdditiveBLR(LieGroupBLR):
             ``process_group``.
     """
 
+    _sample_buffers = ()  # the sample lives in the parameters themselves
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],

@@ -131,6 +131,8 @@ class LieGroupBLR(Optimizer):
     """
 
     lie_group: LieGroup
+    _sample_buffers: tuple[str, ...] = ("xi",)
+    """Scratch buffers a draw fills and the following accumulation reads."""
 
     def __init__(
         self,

@@ -73,6 +73,7 @@ class MultiplicativeBLR(LieGroupBLR):
     """
 
     lie_group: MultiplicativeGroup
+    _sample_buffers = ("w",)
 
     def __init__(
         self,
