@@ -218,8 +218,9 @@ def sample_into(
     """
     if isinstance(base, Normal):
         return out.normal_(_scalar(base.loc), _scalar(base.scale), generator=generator)
-    if isinstance(base, Rayleigh):  # U ≥ tiny: never exactly 0, outside the support
-        u = out.uniform_(torch.finfo(out.dtype).tiny, 1.0, generator=generator).neg_().log1p_()
+    if isinstance(base, Rayleigh):  # σ√(−2 log(1 − U)), −U ~ U(eps − 1, −tiny): never 0 or inf
+        info = torch.finfo(out.dtype)
+        u = out.uniform_(info.eps - 1, -info.tiny, generator=generator).log1p_()
         return u.mul_(-2 * _scalar(base.scale) ** 2).sqrt_()
     if isinstance(base, Dirac):
         return out.fill_(_scalar(base.value))

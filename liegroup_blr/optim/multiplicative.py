@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,11 +24,10 @@ def clamp_finite_positive_(tensors: list[Tensor]) -> None:
         torch._foreach_clamp_max_(tensors, info.max)
 
 
-def exp_step_(workspace: list[Tensor], rate: float) -> list[Tensor]:
-    """``workspace ← exp(-rate · workspace)`` in place, the exponent capped below overflow."""
+def exp_step_(workspace: list[Tensor], rate: float | Tensor) -> list[Tensor]:
+    """``workspace ← exp(−rate · workspace)`` in place. It may overflow to inf or underflow
+    to 0: multiplied into an element ≥ tiny and clamped, that is max or tiny, never NaN."""
     torch._foreach_mul_(workspace, -rate)
-    if workspace:
-        torch._foreach_clamp_max_(workspace, math.log(torch.finfo(workspace[0].dtype).max))
     torch._foreach_exp_(workspace)
     return workspace
 
