@@ -1,8 +1,8 @@
 r"""Monte-Carlo training steps: samples one after another, or all in one vectorised pass.
 
 :func:`mc_step` runs one update of a Lie-group optimizer over its ``mc_samples`` samples. A
-sample θ_s = readout(g·ξ_s) is drawn exactly as :meth:`LieGroupBLR.step` draws it; the
-forward and backward passes either run one sample at a time, or together as one
+sample θ_s = readout(g·ξ_s) is drawn exactly as :meth:`~liegroup_blr.LieGroupBLR.step` draws
+it; the forward and backward passes either run one sample at a time, or together as one
 ``torch.func.vmap`` of ``functional_call`` over the stacked θ_s (``vectorize=True``), in
 chunks that bound memory. Both give the same noise and the same update, to float tolerance.
 
@@ -85,8 +85,8 @@ def mc_step(
             ``batchsplit``), and k × ``mc_samples`` samples are drawn.
 
     Returns:
-        the mean loss over samples. A non-finite loss or gradient skips the update, as
-        :meth:`LieGroupBLR.step` does.
+        the mean loss over samples. A non-finite algebra gradient (a NaN or infinite loss
+        gives one) skips the update, as :meth:`~liegroup_blr.LieGroupBLR.step` does.
     """
     if optimizer._sampling or optimizer._num_samples:
         raise RuntimeError("mc_step() needs an optimizer with no samples pending")
@@ -97,10 +97,8 @@ def mc_step(
         losses = _vectorised(optimizer, model, loss_fn, xs, ys, count, chunk)
     else:
         losses = _sequential(optimizer, model, loss_fn, xs, ys, count)
-    loss = torch.stack(losses).mean()
-    with torch.no_grad():
-        optimizer._update(bool(torch.isfinite(loss)))
-    return loss
+    optimizer.step()  # through step(), so lr schedulers see an optimizer step
+    return torch.stack(losses).mean()
 
 
 def _sequential(

@@ -1,0 +1,235 @@
+"""Run configurations: TOML files validated against a schema and resolved with defaults.
+
+A run config has top-level ``seed`` and ``device`` and the tables ``[data]``, ``[model]``,
+``[optimizer]``, ``[schedule]`` and ``[eval]``. Which keys ``[data]``, ``[model]`` and
+``[optimizer]`` accept depends on their ``name``. A comparison config adds ``[runs.LABEL]``
+tables, each merged over the shared tables to give one run config.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from experiments.data import DATASETS, dataset_options
+from experiments.models import MODELS, model_options
+from experiments.optimizers import GROUPS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class Required:
+    """Marks a key without a default; ``kind`` is the type its value must have."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+
+
+NAME, NUMBER, COUNT = Required(str), Required(float), Required(int)
+
+_BLR = {
+    "lr": NUMBER,
+    "momentum": 0.9,
+    "temperature": 1.0,
+    "prior_precision": 0.0,
+    "mc_samples": 1,
+    "base_options": {},
+    "point_estimate": "g",
+    "noise": "fresh",
+    "antithetic": False,
+    "compile": False,
+    "vectorize": False,
+    "batch_split": 1,
+}
+
+# Keys each optimizer accepts, with defaults (those of the library / torch.optim).
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr": NUMBER, "momentum": 0.9, "prior_precision": 0.0},
+    "adam": {"lr": NUMBER, "betas": [0.9, 0.999], "prior_precision": 0.0},
+    "additive": {**_BLR, "base": "gaussian", "base_scale": 1e-3},
+    "multiplicative": {
+        **_BLR,
+        "base": "rayleigh",
+        "base_scale": 1.0,
+        "init_offset": 1e-5,
+        "signed": True,
+    },
+    "affine": {
+        **_BLR,
+        "momentum": 0.8,
+        "scale_lr": NUMBER,
+        "scale_momentum": 0.999,
+        "base": "gaussian",
+        "base_scale": 0.005,
+        "init_scale": 1.0,
+    },
+    "lie": {
+        **_BLR,
+        "group": NAME,
+        "group_options": {},
+        "preconditioner": None,
+        "base": "gaussian",
+        "base_scale": 1e-3,
+    },
+}
+
+TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto"}
+
+SECTIONS: dict[str, dict[str, Any]] = {
+    # augment: None = the dataset's reference setting (crop + flip for CIFAR, TinyImageNet)
+    "data": {
+        "name": NAME,
+        "root": "data",
+        "augment": None,
+        "da_factor": 1.0,
+        "batch_size": 128,
+        "test_batch_size": 500,
+    },
+    "model": {"name": NAME},
+    "optimizer": {"name": NAME},
+    "schedule": {"epochs": COUNT, "warmup": 0},
+    "eval": {"samples": 32, "bins": 20, "sparsity_samples": 32},
+}
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration."""
+
+
+def _fill(where: str, given: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` completed with the defaults of ``schema``; unknown or missing keys raise."""
+    unknown = sorted(set(given) - set(schema))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; valid keys: {sorted(schema)}")
+    out = {}
+    for key, default in schema.items():
+        if key not in given and isinstance(default, Required):
+            raise ConfigError(f"missing required key {key!r} in {where}")
+        value = copy.deepcopy(given.get(key, default))
+        value = list(value) if isinstance(value, tuple) else value
+        _check_type(f"{where}.{key}", value, default)
+        out[key] = value
+    return out
+
+
+def _check_type(where: str, value: Any, default: Any) -> None:
+    """A value must have the type of its default (an int where a float is expected is fine)."""
+    if default is None or value is None:
+        return
+    kind = default.kind if isinstance(default, Required) else type(default)
+    expected: tuple[type, ...] = (kind,)
+    if kind is float:
+        expected = (float, int)
+    elif isinstance(default, (list, tuple)):
+        expected = (list, tuple)
+    if isinstance(value, bool) and kind is not bool:
+        expected = ()
+    if not isinstance(value, expected):
+        raise ConfigError(f"{where} must be of type {kind.__name__}, got {value!r}")
+
+
+def _choice(where: str, name: Any, valid: Mapping[str, Any] | tuple[str, ...]) -> None:
+    if name not in valid:
+        raise ConfigError(f"unknown {where} {name!r}; valid choices: {sorted(valid)}")
+
+
+def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a run config and fill in every default (the resolved config)."""
+    keys = set(TOP_LEVEL) | set(SECTIONS)
+    if "runs" in raw:
+        raise ConfigError("this is a comparison config ([runs] tables): use experiments.compare")
+    unknown = sorted(set(raw) - keys)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
+    cfg = _fill("the top level", {k: raw[k] for k in TOP_LEVEL if k in raw}, TOP_LEVEL)
+    _choice("device", cfg["device"], DEVICES)
+    for section, schema in SECTIONS.items():
+        given = raw.get(section, {})
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"[{section}] must be a table, got {given!r}")
+        if "name" not in given and section in ("data", "model", "optimizer"):
+            raise ConfigError(f"missing required key 'name' in [{section}]")
+        name = str(given.get("name"))
+        if section == "data":
+            _choice("dataset", name, DATASETS)
+            schema = {**schema, **dataset_options(name)}
+        elif section == "model":
+            _choice("model", name, MODELS)
+            schema = {**schema, **model_options(name)}
+        elif section == "optimizer":
+            _choice("optimizer", name, OPTIMIZERS)
+            schema = {**schema, **OPTIMIZERS[name]}
+        cfg[section] = _fill(f"[{section}]", given, schema)
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: dict[str, Any]) -> None:
+    """Counts the drivers use must be positive; the library checks its own hyperparameters."""
+    checks = [
+        ("[data].batch_size", cfg["data"]["batch_size"], 1),
+        ("[data].test_batch_size", cfg["data"]["test_batch_size"], 1),
+        ("[schedule].epochs", cfg["schedule"]["epochs"], 1),
+        ("[eval].samples", cfg["eval"]["samples"], 1),
+        ("[eval].sparsity_samples", cfg["eval"]["sparsity_samples"], 1),
+        ("[eval].bins", cfg["eval"]["bins"], 1),
+    ]
+    for where, value, low in checks:
+        if value < low:
+            raise ConfigError(f"{where} must be >= {low}, got {value}")
+    if cfg["data"]["da_factor"] <= 0:
+        raise ConfigError(f"[data].da_factor must be > 0, got {cfg['data']['da_factor']}")
+    group = cfg["optimizer"].get("group")
+    if group is not None and group not in GROUPS and ":" not in group:
+        raise ConfigError(
+            f"unknown group {group!r}; valid: {sorted(GROUPS)} or 'package.module:ClassName'"
+        )
+    if not 0 <= cfg["schedule"]["warmup"] < cfg["schedule"]["epochs"]:
+        raise ConfigError("[schedule].warmup must satisfy 0 <= warmup < epochs")
+
+
+def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive merge: tables of ``override`` update those of ``base``, other values replace."""
+    out = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The resolved run config of every ``[runs.LABEL]`` table of a comparison config.
+
+    A config without ``[runs]`` is a single run labelled by its optimizer name.
+    """
+    runs = raw.get("runs")
+    shared = {k: v for k, v in raw.items() if k != "runs"}
+    if runs is None:
+        cfg = resolve(shared)
+        return {cfg["optimizer"]["name"]: cfg}
+    if not isinstance(runs, Mapping) or not runs:
+        raise ConfigError("[runs] must hold at least one [runs.LABEL] table")
+    return {label: resolve(merge(shared, run)) for label, run in runs.items()}
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Parse a TOML config file, or a run's resolved ``config.json`` (unresolved)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return json.load(f) if path.suffix == ".json" else tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path} is not valid {path.suffix[1:].upper()}: {err}") from None

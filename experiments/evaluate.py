@@ -1,0 +1,125 @@
+"""Final evaluation of a run: predictive metrics, calibration, first-layer sparsity, figures."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from experiments import figures
+from experiments.sparsity import first_layer, sparsity
+from liegroup_blr import predictive
+
+# file stem and title of the positive parts of a group element; m and b are the point estimate
+PART_FIGURES = {
+    "g+": ("excitatory", "excitatory filters g⁺"),
+    "g-": ("inhibitory", "inhibitory filters g⁻"),
+    "A": ("scale", "posterior scale A"),
+}
+
+
+def evaluate(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    test: Sequence[tuple[Tensor, Tensor]],
+    cfg: dict[str, Any],
+    out: Path,
+) -> dict[str, Any]:
+    """Metrics at the point estimate g and of the Bayesian model average; writes the figures.
+
+    ``cfg`` is the resolved ``[eval]`` table: ``samples`` posterior samples for the model
+    average, ``bins`` for the ECE, ``sparsity_samples`` for the sample-averaged sparsity.
+    Deterministic optimizers (SGD, Adam) have no posterior: their "average" is the point
+    estimate, flagged by ``has_posterior = False``.
+    """
+    inputs = [x for x, _ in test]
+    labels = torch.cat([y for _, y in test])
+    has_posterior = hasattr(optimizer, "sampled_params")
+    point = predictive.predictive_log_probs(model, inputs)
+    average = (
+        predictive.predictive_log_probs(model, inputs, optimizer, cfg["samples"])
+        if has_posterior
+        else point
+    )
+    bins = cfg["bins"]
+    results: dict[str, Any] = {
+        "has_posterior": has_posterior,
+        "point": predictive.metrics(point, labels, bins),
+        "average": predictive.metrics(average, labels, bins),
+    }
+    figures.reliability_diagram(
+        {
+            f"at g (ECE {results['point']['ece']:.4f})": predictive.reliability_bins(
+                point, labels, bins
+            ),
+            f"model average, {cfg['samples'] if has_posterior else 1} samples "
+            f"(ECE {results['average']['ece']:.4f})": predictive.reliability_bins(
+                average, labels, bins
+            ),
+        },
+        out / "reliability.png",
+    )
+    results["sparsity"] = first_layer_sparsity(model, optimizer, cfg["sparsity_samples"])
+    plot_first_layer(model, optimizer, inputs[0][0], out)
+    return results
+
+
+def first_layer_sparsity(
+    model: nn.Module, optimizer: torch.optim.Optimizer, samples: int
+) -> dict[str, dict[str, float]]:
+    """Hoyer measure and near-zero fraction of the first layer at g and averaged over samples.
+
+    "averaged" is the mean of each measure over ``samples`` posterior samples θ = g·ξ
+    (the point estimate again for deterministic optimizers).
+    """
+    weight = first_layer(model)
+    at_g = sparsity(weight)
+    sampler = getattr(optimizer, "sampled_params", None)
+    if sampler is None:
+        return {"point": at_g, "average": dict(at_g)}
+    draws = []
+    for _ in range(samples):
+        with sampler():
+            draws.append(sparsity(weight))
+    return {"point": at_g, "average": {k: sum(d[k] for d in draws) / samples for k in at_g}}
+
+
+def as_filters(weight: Tensor, input_shape: Sequence[int]) -> Tensor | None:
+    """A layer's weight as images ``(F, C, H, W)``: conv kernels, or dense rows over the input."""
+    if weight.ndim == 4:
+        return weight
+    if weight.ndim == 2 and weight.shape[1] == math.prod(input_shape):
+        return weight.reshape(-1, *input_shape)
+    return None
+
+
+def plot_first_layer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, example: Tensor, out: Path
+) -> list[Path]:
+    """Filter grids of the first layer at g and of each part of its group element.
+
+    Shows the 32 filters most activated (|⟨w, x⟩|) by the input ``example`` when the
+    filters span the input (dense first layer), else the 32 of largest norm; every
+    figure shows the same filters. Returns the written paths (none if not image-shaped).
+    """
+    weight = first_layer(model).detach()
+    filters = as_filters(weight, example.shape)
+    if filters is None:
+        return []
+    flat = filters.flatten(1)
+    score = (flat @ example.flatten()).abs() if weight.ndim == 2 else flat.norm(dim=1)
+    top = torch.argsort(score, descending=True)[: figures.FILTER_ROWS * figures.FILTER_COLS]
+    paths = [out / "filters.png"]
+    figures.filter_grid(filters[top], paths[0], "first-layer filters at g")
+    group_element = getattr(optimizer, "group_element", None)
+    parts = group_element(first_layer(model)) if group_element is not None else {}
+    for key, (stem, title) in PART_FIGURES.items():
+        if key in parts:
+            paths.append(out / f"filters_{stem}.png")
+            part = parts[key].reshape(filters.shape)
+            figures.filter_grid(part[top], paths[-1], title, signed=False)
+    return paths

@@ -1,0 +1,115 @@
+"""PNG figures (matplotlib, Agg backend) with fixed pixel sizes: figure size × DPI."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from torch import Tensor
+
+DPI = 100
+RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
+FILTERS_SIZE = (8.0, 4.5)  # 800 × 450 pixels
+CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
+FILTER_ROWS, FILTER_COLS = 4, 8
+
+
+def _save(fig: plt.Figure, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path) -> None:
+    """One panel per entry of ``panels``: title → output of ``predictive.reliability_bins``.
+
+    Bars: accuracy per confidence bin; the hatched red part spans the gap to the bin's
+    mean confidence; the diagonal is perfect calibration.
+    """
+    fig, axes = plt.subplots(1, len(panels), figsize=RELIABILITY_SIZE, squeeze=False)
+    for ax, (title, hist) in zip(axes[0], panels.items(), strict=True):
+        edges = hist["edges"].numpy()
+        width = np.diff(edges)
+        filled = hist["count"].numpy() > 0
+        acc, conf = hist["accuracy"].numpy(), hist["confidence"].numpy()
+        left = edges[:-1][filled]
+        ax.bar(
+            left,
+            acc[filled],
+            width[filled],
+            align="edge",
+            color="tab:blue",
+            edgecolor="k",
+            label="accuracy",
+        )
+        ax.bar(
+            left,
+            np.abs(conf - acc)[filled],
+            width[filled],
+            bottom=np.minimum(conf, acc)[filled],
+            align="edge",
+            color="tab:red",
+            alpha=0.35,
+            hatch="//",
+            label="gap to mean confidence",
+        )
+        ax.plot([0, 1], [0, 1], "k--", lw=1)
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _filter_image(f: np.ndarray, signed: bool) -> tuple[np.ndarray, dict[str, object]]:
+    """An (H, W) or (H, W, 3) image of one filter ``(C, H, W)``, scaled to its own maximum."""
+    if f.shape[0] == 3:
+        lo, hi = f.min(), f.max()
+        return ((f - lo) / max(hi - lo, 1e-12)).transpose(1, 2, 0), {}
+    img = f.mean(axis=0)
+    peak = max(float(np.abs(img).max()), 1e-12)
+    if signed:
+        return img / peak, {"cmap": "RdBu_r", "vmin": -1.0, "vmax": 1.0}
+    return img / peak, {"cmap": "gray", "vmin": 0.0, "vmax": 1.0}
+
+
+def filter_grid(filters: Tensor, path: Path, title: str, signed: bool = True) -> None:
+    """Up to 32 filters ``(F, C, H, W)`` in a 4 × 8 grid, each scaled to its own maximum.
+
+    ``signed`` filters use a blue (negative) to red (positive) map; unsigned ones (g⁺, g⁻)
+    go from black (0) to white (largest entry).
+    """
+    fig, axes = plt.subplots(FILTER_ROWS, FILTER_COLS, figsize=FILTERS_SIZE)
+    array = filters.detach().cpu().double().numpy()
+    for i, ax in enumerate(axes.flat):
+        ax.set_axis_off()
+        if i < len(array):
+            img, style = _filter_image(array[i], signed)
+            ax.imshow(img, interpolation="nearest", **style)
+    fig.suptitle(title)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.9, wspace=0.05, hspace=0.05)
+    _save(fig, path)
+
+
+def learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], path: Path) -> None:
+    """Test accuracy and NLL (at the point estimate) per epoch, one line per run."""
+    fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=CURVES_SIZE)
+    for label, rows in histories.items():
+        epochs = [r["epoch"] for r in rows]
+        ax_acc.plot(epochs, [100 * r["test_accuracy"] for r in rows], marker=".", label=label)
+        ax_nll.plot(epochs, [r["test_nll"] for r in rows], marker=".", label=label)
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%) at g")
+    ax_nll.set(xlabel="epoch", ylabel="test NLL at g")
+    ax_acc.legend()
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
+    """(height, width) in pixels of a figure of ``figsize`` inches saved by this module."""
+    return math.floor(figsize[1] * DPI), math.floor(figsize[0] * DPI)

@@ -1,0 +1,95 @@
+"""Optimizers and learning-rate schedules from the ``[optimizer]`` and ``[schedule]`` tables."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+import liegroup_blr as lgb
+from liegroup_blr.distributions import from_name
+
+GROUPS: dict[str, str] = {
+    "additive": "AdditiveGroup",
+    "multiplicative": "MultiplicativeGroup",
+    "affine": "DiagonalAffineGroup",
+}
+"""Built-in group names for ``name = "lie"``; any ``"package.module:ClassName"`` works too."""
+
+
+def build_group(spec: str, options: dict[str, Any]) -> lgb.groups.LieGroup:
+    """A :class:`~liegroup_blr.groups.LieGroup` from a built-in name or an import path."""
+    if spec in GROUPS:
+        cls = getattr(lgb.groups, GROUPS[spec])
+    elif ":" in spec:
+        module, _, attr = spec.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"cannot import group {spec!r}: {err}") from None
+    else:
+        raise ValueError(
+            f"unknown group {spec!r}; valid: {sorted(GROUPS)} or 'package.module:ClassName'"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, lgb.groups.LieGroup)):
+        raise ValueError(f"group {spec!r} is not a subclass of liegroup_blr.groups.LieGroup")
+    return cls(**options)
+
+
+def build_optimizer(
+    cfg: dict[str, Any], params: Iterable[nn.Parameter], data_size: float
+) -> torch.optim.Optimizer:
+    """The optimizer of a resolved ``[optimizer]`` table; ``data_size`` is N.
+
+    Baselines get the prior as weight decay δ/N (SGD with EMA momentum: dampening = β);
+    the BLR optimizers receive δ, τ and N themselves.
+    """
+    name, lr = cfg["name"], cfg["lr"]
+    decay = cfg["prior_precision"] / data_size
+    if name == "sgd":
+        beta = cfg["momentum"]
+        return torch.optim.SGD(params, lr, momentum=beta, dampening=beta, weight_decay=decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr, betas=tuple(cfg["betas"]), weight_decay=decay)
+    common = {
+        "momentum": cfg["momentum"],
+        "base": from_name(cfg["base"], scale=cfg["base_scale"], **cfg["base_options"]),
+        "data_size": data_size,
+        "temperature": cfg["temperature"],
+        "prior_precision": cfg["prior_precision"],
+        "mc_samples": cfg["mc_samples"],
+        "point_estimate": cfg["point_estimate"],
+        "noise": cfg["noise"],
+        "antithetic": cfg["antithetic"],
+        "compile": cfg["compile"],
+    }
+    if name == "additive":
+        return lgb.AdditiveBLR(params, lr, **common)
+    if name == "multiplicative":
+        extra = {"init_offset": cfg["init_offset"], "signed": cfg["signed"]}
+        return lgb.MultiplicativeBLR(params, lr, **common, **extra)
+    if name == "affine":
+        extra = {"scale_momentum": cfg["scale_momentum"], "init_scale": cfg["init_scale"]}
+        return lgb.AffineBLR(params, lr, cfg["scale_lr"], **common, **extra)
+    if name == "lie":
+        group = build_group(cfg["group"], cfg["group_options"])
+        base = common.pop("base")
+        return lgb.LieGroupBLR(
+            params, group, base, lr, **common, preconditioner=cfg["preconditioner"]
+        )
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def lr_factor(epoch: int, epochs: int, warmup: int) -> float:
+    """Learning-rate factor of ``epoch`` (0-based) out of ``epochs``, as in the reference.
+
+    Linear warm-up (e+1)/w for the first w epochs, then a cosine ½(1 + cos(π(e−w)/(E−w))),
+    which starts at 1 and stays above 0 in the last epoch.
+    """
+    if epoch < warmup:
+        return (epoch + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup)))

@@ -1,0 +1,304 @@
+"""Train and evaluate one run from a config file.
+
+    python -m experiments.train CONFIG.toml [--out DIR] [--resume]
+
+The output folder receives ``config.json`` (the resolved config), ``metrics.jsonl`` (one
+line per epoch), ``checkpoint.pt`` (rewritten atomically each epoch), ``results.json``
+(final metrics) and the figures. ``--resume`` continues from the checkpoint and reaches
+the same final state as an uninterrupted run; on a finished run it only re-evaluates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+import liegroup_blr as lgb
+from experiments import config as config_module
+from experiments.data import Dataset, load_dataset, test_batches, train_batches
+from experiments.evaluate import evaluate
+from experiments.models import build_model
+from experiments.optimizers import build_optimizer, lr_factor
+from liegroup_blr import predictive
+from liegroup_blr.mc import mc_step
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+RESULTS = "results.json"
+
+
+@dataclass
+class Run:
+    """Everything a training run holds: config, data, model, optimizer, schedule, RNG."""
+
+    cfg: dict[str, Any]
+    device: torch.device
+    data: Dataset
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    data_rng: torch.Generator
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else the CPU; ``cuda`` without a GPU is an error."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise config_module.ConfigError(
+            "device 'cuda' requested but CUDA is not available; valid here: 'cpu', 'auto'"
+        )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def build(cfg: dict[str, Any]) -> Run:
+    """Seed every RNG with ``cfg['seed']``, then build data, model, optimizer and schedule.
+
+    Fills in ``cfg['data']['augment']`` with the dataset's default when unset. The
+    optimizer's data size is N = da_factor × (training-set size).
+    """
+    seed = cfg["seed"]
+    random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
+    torch.manual_seed(seed)
+    device = resolve_device(cfg["device"])
+    dcfg, mcfg, ocfg = cfg["data"], cfg["model"], cfg["optimizer"]
+    options = {k: v for k, v in dcfg.items() if k not in config_module.SECTIONS["data"]}
+    data = load_dataset(dcfg["name"], dcfg["root"], **options)
+    if dcfg["augment"] is None:
+        dcfg["augment"] = data.augment
+    model_kw = {k: v for k, v in mcfg.items() if k != "name"}
+    model = build_model(mcfg["name"], data.input_shape, data.num_classes, **model_kw).to(device)
+    optimizer = build_optimizer(ocfg, model.parameters(), dcfg["da_factor"] * len(data.train_y))
+    schedule = partial(
+        lr_factor, epochs=cfg["schedule"]["epochs"], warmup=cfg["schedule"]["warmup"]
+    )
+    scheduler = LambdaLR(optimizer, schedule)
+    data_rng = torch.Generator().manual_seed(seed)
+    return Run(cfg, device, data, model, optimizer, scheduler, data_rng)
+
+
+def _rng_state(run: Run) -> dict[str, Any]:
+    _, keys, pos, has_gauss, gauss = cast(tuple, np.random.get_state())  # noqa: NPY002
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": pos,
+            "has_gauss": has_gauss,
+            "gauss": gauss,
+        },
+        "python": random.getstate(),
+        "data": run.data_rng.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    npy = state["numpy"]
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
+    random.setstate(state["python"])
+    run.data_rng.set_state(state["data"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run: Run, epoch: int, path: Path) -> None:
+    """Write model, optimizer, scheduler, RNG states and the epoch count atomically."""
+    state = {
+        "epoch": epoch,
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng": _rng_state(run),
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(run: Run, path: Path) -> int:
+    """Restore a checkpoint written by :func:`save_checkpoint`; returns its epoch count."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(run, state["rng"])
+    return int(state["epoch"])
+
+
+def _closure(run: Run, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The closure ``optimizer.step`` calls at each sample: mean cross-entropy ℓ̄, backward."""
+
+    def closure() -> torch.Tensor:
+        run.optimizer.zero_grad()
+        loss = cross_entropy(run.model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    return closure
+
+
+def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One optimizer step on a minibatch; returns the loss (mean over posterior samples).
+
+    With ``vectorize`` or ``batch_split > 1`` the samples go through
+    :func:`liegroup_blr.mc.mc_step` (vmap over samples; each sample on its own slice of the
+    batch, the reference's ``batchsplit``), else through ``optimizer.step(closure)``.
+    """
+    ocfg = run.cfg["optimizer"]
+    if ocfg.get("vectorize") or ocfg.get("batch_split", 1) > 1:
+        assert isinstance(run.optimizer, lgb.LieGroupBLR)
+        options = {"vectorize": ocfg["vectorize"], "batch_split": ocfg["batch_split"]}
+        return float(mc_step(run.optimizer, run.model, cross_entropy, x, y, **options))
+    return float(run.optimizer.step(_closure(run, x, y)))  # type: ignore[arg-type]
+
+
+def train_epoch(run: Run, epoch: int) -> float:
+    """One pass over the training set; returns the mean training loss (at posterior samples)."""
+    cfg = run.cfg
+    batches = train_batches(
+        run.data, cfg["data"]["batch_size"], run.data_rng, run.device, cfg["data"]["augment"]
+    )
+    total = len(run.data.train_y) // cfg["data"]["batch_size"]
+    bar = tqdm(
+        batches,
+        total=total,
+        desc=f"epoch {epoch + 1}/{cfg['schedule']['epochs']}",
+        unit="batch",
+        disable=None,
+        leave=False,
+    )
+    losses, start = [], time.perf_counter()
+    run.model.train()
+    for x, y in bar:
+        loss = _step(run, x, y)
+        if not np.isfinite(loss):
+            raise FloatingPointError(
+                f"training diverged: loss {loss} in epoch {epoch + 1}; lower the learning rate"
+            )
+        losses.append(loss)
+        rate = len(losses) * len(y) / (time.perf_counter() - start)
+        bar.set_postfix(loss=f"{loss:.4f}", img_per_s=f"{rate:.0f}")
+    return float(np.mean(losses))
+
+
+def _read_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
+    """Rows of ``metrics.jsonl`` for epochs ≤ ``upto`` (later ones came after the checkpoint)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["epoch"] <= upto]
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[str, Any]:
+    """Train and evaluate the run of config ``raw`` into folder ``out``; returns the results."""
+    cfg = config_module.resolve(raw)
+    out = Path(out)
+    ckpt = out / CHECKPOINT
+    if ckpt.exists() and not resume:
+        raise FileExistsError(f"{out} already holds a run; pass --resume or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    run = build(cfg)
+    resuming = resume and ckpt.exists()
+    if resuming and json.loads((out / "config.json").read_text()) != cfg:
+        raise config_module.ConfigError(
+            f"the config differs from the one {out} was trained with ({out / 'config.json'}); "
+            "resume with that config or train into another folder"
+        )
+    _write_json(out / "config.json", cfg)
+    start = load_checkpoint(run, ckpt) if resuming else 0
+    history = _read_metrics(out / METRICS, start)
+    (out / METRICS).write_text("".join(json.dumps(r) + "\n" for r in history))
+    test = test_batches(run.data, cfg["data"]["test_batch_size"], run.device)
+    epochs = cfg["schedule"]["epochs"]
+    for epoch in range(start, epochs):
+        tic = time.perf_counter()
+        lr = run.optimizer.param_groups[0]["lr"]
+        loss = train_epoch(run, epoch)
+        run.scheduler.step()
+        seconds = time.perf_counter() - tic
+        log_probs = predictive.predictive_log_probs(run.model, [x for x, _ in test])
+        labels = torch.cat([y for _, y in test])
+        row = {
+            "epoch": epoch + 1,
+            "lr": lr,
+            "train_loss": loss,
+            "test_accuracy": predictive.accuracy(log_probs, labels),
+            "test_nll": predictive.nll(log_probs, labels),
+            "train_seconds": seconds,
+        }
+        history.append(row)
+        with (out / METRICS).open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        save_checkpoint(run, epoch + 1, ckpt)
+        tqdm.write(
+            f"epoch {epoch + 1}/{epochs}: loss {loss:.4f}, test accuracy at g "
+            f"{100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
+        )
+    tic = time.perf_counter()
+    results = evaluate(run.model, run.optimizer, test, cfg["eval"], out)
+    results["train_seconds"] = sum(r["train_seconds"] for r in history)
+    results["eval_seconds"] = time.perf_counter() - tic
+    results["epochs"] = epochs
+    results["train_size"], results["test_size"] = len(run.data.train_y), len(run.data.test_y)
+    results["data_size"] = cfg["data"]["da_factor"] * len(run.data.train_y)
+    results["optimizer"] = cfg["optimizer"]["name"]
+    _write_json(out / RESULTS, results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", type=Path, help="TOML config (or a run's config.json)")
+    parser.add_argument("--out", type=Path, help="output folder (default: results/CONFIG_NAME)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
+    args = parser.parse_args(argv)
+    out = args.out or Path("results") / args.config.stem
+    try:
+        results = train(config_module.load(args.config), out, args.resume)
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for estimate in ("point", "average"):
+        m = results[estimate]
+        print(
+            f"{estimate:>8}: accuracy {100 * m['accuracy']:.2f}%, NLL {m['nll']:.4f}, "
+            f"ECE {m['ece']:.4f}, Brier {m['brier']:.4f}"
+        )
+    print(f"results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
