@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import config as config_module
-from experiments import figures
+from experiments import distributed, figures
 from experiments.train import METRICS, train
 
 # key, column header, format of the table cell
@@ -108,17 +108,22 @@ def report(
 
 
 def compare(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[str, Any]:
-    """Train every run of a comparison config into ``out/LABEL`` and write the report."""
+    """Train every run of a comparison config into ``out/LABEL`` and write the report
+    (rank 0 of a torchrun writes; the other processes train alongside and return ``{}``)."""
     out = Path(out)
     configs = config_module.split_runs(raw)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(configs, indent=2) + "\n")
+    main = distributed.from_environment().main
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(configs, indent=2) + "\n")
     results: dict[str, dict[str, Any]] = {}
     for label, cfg in configs.items():
         print(f"== run {label!r} ({cfg['optimizer']['name']})", flush=True)
         tic = time.perf_counter()
         results[label] = train(cfg, out / label, resume)
         print(f"== run {label!r} done in {time.perf_counter() - tic:.1f}s", flush=True)
+    if not main:
+        return {}
     histories = {
         label: [json.loads(line) for line in (out / label / METRICS).read_text().splitlines()]
         for label in configs
@@ -142,10 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("results") / args.config.stem
     tic = time.perf_counter()
     try:
-        compare(config_module.load(args.config), out, args.resume)
+        results = compare(config_module.load(args.config), out, args.resume)
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        distributed.leave()
+    if not results:  # a torchrun process other than rank 0
+        return 0
     print((out / "report.md").read_text())
     print(f"report in {out} ({time.perf_counter() - tic:.1f}s)")
     return 0

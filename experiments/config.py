@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.data import DATASETS, dataset_options
+from experiments.distributed import PARALLEL
 from experiments.models import MODELS, model_options
 from experiments.optimizers import GROUPS
 
@@ -80,7 +81,8 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     },
 }
 
-TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto"}
+# parallel: how torchrun's processes share the work (experiments/distributed.py)
+TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "parallel": "data"}
 
 SECTIONS: dict[str, dict[str, Any]] = {
     # augment: None = the dataset's reference setting (crop + flip for CIFAR, TinyImageNet)
@@ -152,6 +154,7 @@ def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
     cfg = _fill("the top level", {k: raw[k] for k in TOP_LEVEL if k in raw}, TOP_LEVEL)
     _choice("device", cfg["device"], DEVICES)
+    _choice("parallel", cfg["parallel"], PARALLEL)
     for section, schema in SECTIONS.items():
         given = raw.get(section, {})
         if not isinstance(given, Mapping):

@@ -41,12 +41,15 @@ def build_group(spec: str, options: dict[str, Any]) -> lgb.groups.LieGroup:
 
 
 def build_optimizer(
-    cfg: dict[str, Any], params: Iterable[nn.Parameter], data_size: float
+    cfg: dict[str, Any],
+    params: Iterable[nn.Parameter],
+    data_size: float,
+    process_group: Any = None,
 ) -> torch.optim.Optimizer:
     """The optimizer of a resolved ``[optimizer]`` table; ``data_size`` is N.
 
     Baselines get the prior as weight decay δ/N (SGD with EMA momentum: dampening = β);
-    the BLR optimizers receive δ, τ and N themselves.
+    the BLR optimizers receive δ, τ and N themselves, and ``process_group`` under torchrun.
     """
     name, lr = cfg["name"], cfg["lr"]
     decay = cfg["prior_precision"] / data_size
@@ -66,6 +69,7 @@ def build_optimizer(
         "noise": cfg["noise"],
         "antithetic": cfg["antithetic"],
         "compile": cfg["compile"],
+        "process_group": process_group,
     }
     if name == "additive":
         return lgb.AdditiveBLR(params, lr, **common)

@@ -6,6 +6,7 @@ The output folder receives ``config.json`` (the resolved config), ``metrics.json
 line per epoch), ``checkpoint.pt`` (rewritten atomically each epoch), ``results.json``
 (final metrics) and the figures. ``--resume`` continues from the checkpoint and reaches
 the same final state as an uninterrupted run; on a finished run it only re-evaluates.
+Under ``torchrun`` the same command trains over processes (experiments/distributed.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from tqdm import tqdm
 
 import liegroup_blr as lgb
 from experiments import config as config_module
+from experiments import distributed
 from experiments.data import Dataset, load_dataset, test_batches, train_batches
+from experiments.distributed import Processes
 from experiments.evaluate import evaluate
 from experiments.models import build_model
 from experiments.optimizers import build_optimizer, lr_factor
@@ -54,6 +57,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     data_rng: torch.Generator
+    processes: Processes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,17 +71,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build(cfg: dict[str, Any]) -> Run:
+def build(cfg: dict[str, Any], processes: Processes) -> Run:
     """Seed every RNG with ``cfg['seed']``, then build data, model, optimizer and schedule.
 
     Fills in ``cfg['data']['augment']`` with the dataset's default when unset. The
-    optimizer's data size is N = da_factor × (training-set size).
+    optimizer's data size is N = da_factor × (training-set size). Every process of a
+    torchrun builds the same model; the optimizers give each its own noise.
     """
     seed = cfg["seed"]
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
     torch.manual_seed(seed)
-    device = resolve_device(cfg["device"])
+    device = distributed.device_for(resolve_device(cfg["device"]).type, processes)
     dcfg, mcfg, ocfg = cfg["data"], cfg["model"], cfg["optimizer"]
     options = {k: v for k, v in dcfg.items() if k not in config_module.SECTIONS["data"]}
     data = load_dataset(dcfg["name"], dcfg["root"], **options)
@@ -85,13 +90,19 @@ def build(cfg: dict[str, Any]) -> Run:
         dcfg["augment"] = data.augment
     model_kw = {k: v for k, v in mcfg.items() if k != "name"}
     model = build_model(mcfg["name"], data.input_shape, data.num_classes, **model_kw).to(device)
-    optimizer = build_optimizer(ocfg, model.parameters(), dcfg["da_factor"] * len(data.train_y))
+    local = {**ocfg}
+    if "mc_samples" in ocfg:
+        local["mc_samples"] = distributed.local_samples(
+            ocfg["mc_samples"], cfg["parallel"], processes
+        )
+    data_size = dcfg["da_factor"] * len(data.train_y)
+    optimizer = build_optimizer(local, model.parameters(), data_size, processes.group)
     schedule = partial(
         lr_factor, epochs=cfg["schedule"]["epochs"], warmup=cfg["schedule"]["warmup"]
     )
     scheduler = LambdaLR(optimizer, schedule)
     data_rng = torch.Generator().manual_seed(seed)
-    return Run(cfg, device, data, model, optimizer, scheduler, data_rng)
+    return Run(cfg, device, data, model, optimizer, scheduler, data_rng, processes)
 
 
 def _rng_state(run: Run) -> dict[str, Any]:
@@ -148,12 +159,15 @@ def load_checkpoint(run: Run, path: Path) -> int:
 
 
 def _closure(run: Run, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The closure ``optimizer.step`` calls at each sample: mean cross-entropy ℓ̄, backward."""
+    """The closure ``optimizer.step`` calls at each sample: mean cross-entropy ℓ̄, backward
+    (and, for the baselines under torchrun, the mean gradient over processes)."""
 
     def closure() -> torch.Tensor:
         run.optimizer.zero_grad()
         loss = cross_entropy(run.model(x), y)
         loss.backward()
+        if not isinstance(run.optimizer, lgb.LieGroupBLR):
+            distributed.average_gradients(list(run.model.parameters()), run.processes)
         return loss.detach()
 
     return closure
@@ -167,6 +181,7 @@ def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     batch, the reference's ``batchsplit``), else through ``optimizer.step(closure)``.
     """
     ocfg = run.cfg["optimizer"]
+    x, y = distributed.local_batch(x, y, run.cfg["parallel"], run.processes)
     if ocfg.get("vectorize") or ocfg.get("batch_split", 1) > 1:
         assert isinstance(run.optimizer, lgb.LieGroupBLR)
         options = {"vectorize": ocfg["vectorize"], "batch_split": ocfg["batch_split"]}
@@ -186,7 +201,7 @@ def train_epoch(run: Run, epoch: int) -> float:
         total=total,
         desc=f"epoch {epoch + 1}/{cfg['schedule']['epochs']}",
         unit="batch",
-        disable=None,
+        disable=None if run.processes.main else True,
         leave=False,
     )
     losses, start = [], time.perf_counter()
@@ -200,7 +215,7 @@ def train_epoch(run: Run, epoch: int) -> float:
         losses.append(loss)
         rate = len(losses) * len(y) / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.4f}", img_per_s=f"{rate:.0f}")
-    return float(np.mean(losses))
+    return distributed.mean(float(np.mean(losses)), run.processes)
 
 
 def _read_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
@@ -217,25 +232,35 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def checkpoint_path(out: Path, processes: Processes) -> Path:
+    """``checkpoint.pt`` for rank 0; each other torchrun process keeps its own (its noise)."""
+    return out / (CHECKPOINT if processes.main else f"checkpoint.rank{processes.rank}.pt")
+
+
 def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[str, Any]:
-    """Train and evaluate the run of config ``raw`` into folder ``out``; returns the results."""
+    """Train and evaluate the run of config ``raw`` into folder ``out``; returns the results
+    (on rank 0; other torchrun processes train alongside and return ``{}``)."""
+    processes = distributed.from_environment()
     cfg = config_module.resolve(raw)
     out = Path(out)
-    ckpt = out / CHECKPOINT
-    if ckpt.exists() and not resume:
+    if (out / CHECKPOINT).exists() and not resume:
         raise FileExistsError(f"{out} already holds a run; pass --resume or choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    run = build(cfg)
+    ckpt = checkpoint_path(out, processes)
     resuming = resume and ckpt.exists()
+    run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
     if resuming and json.loads((out / "config.json").read_text()) != cfg:
         raise config_module.ConfigError(
             f"the config differs from the one {out} was trained with ({out / 'config.json'}); "
             "resume with that config or train into another folder"
         )
-    _write_json(out / "config.json", cfg)
+    distributed.barrier(processes)  # every process has read what it needs before rank 0 writes
     start = load_checkpoint(run, ckpt) if resuming else 0
     history = _read_metrics(out / METRICS, start)
-    (out / METRICS).write_text("".join(json.dumps(r) + "\n" for r in history))
+    if processes.main:
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "config.json", cfg)
+        (out / METRICS).write_text("".join(json.dumps(r) + "\n" for r in history))
+    distributed.barrier(processes)
     test = test_batches(run.data, cfg["data"]["test_batch_size"], run.device)
     epochs = cfg["schedule"]["epochs"]
     for epoch in range(start, epochs):
@@ -244,24 +269,13 @@ def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[st
         loss = train_epoch(run, epoch)
         run.scheduler.step()
         seconds = time.perf_counter() - tic
-        log_probs = predictive.predictive_log_probs(run.model, [x for x, _ in test])
-        labels = torch.cat([y for _, y in test])
-        row = {
-            "epoch": epoch + 1,
-            "lr": lr,
-            "train_loss": loss,
-            "test_accuracy": predictive.accuracy(log_probs, labels),
-            "test_nll": predictive.nll(log_probs, labels),
-            "train_seconds": seconds,
-        }
-        history.append(row)
-        with (out / METRICS).open("a") as f:
-            f.write(json.dumps(row) + "\n")
         save_checkpoint(run, epoch + 1, ckpt)
-        tqdm.write(
-            f"epoch {epoch + 1}/{epochs}: loss {loss:.4f}, test accuracy at g "
-            f"{100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
-        )
+        if processes.main:
+            history.append(_epoch_row(run, test, epoch, lr, loss, seconds))
+            with (out / METRICS).open("a") as f:
+                f.write(json.dumps(history[-1]) + "\n")
+    if not processes.main:
+        return {}
     tic = time.perf_counter()
     results = evaluate(run.model, run.optimizer, test, cfg["eval"], out)
     results["train_seconds"] = sum(r["train_seconds"] for r in history)
@@ -270,8 +284,35 @@ def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[st
     results["train_size"], results["test_size"] = len(run.data.train_y), len(run.data.test_y)
     results["data_size"] = cfg["data"]["da_factor"] * len(run.data.train_y)
     results["optimizer"] = cfg["optimizer"]["name"]
+    results["processes"] = processes.world
     _write_json(out / RESULTS, results)
     return results
+
+
+def _epoch_row(
+    run: Run,
+    test: list[tuple[torch.Tensor, torch.Tensor]],
+    epoch: int,
+    lr: float,
+    loss: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """The epoch's metrics line (test accuracy and NLL at the point estimate), also printed."""
+    log_probs = predictive.predictive_log_probs(run.model, [x for x, _ in test])
+    labels = torch.cat([y for _, y in test])
+    row = {
+        "epoch": epoch + 1,
+        "lr": lr,
+        "train_loss": loss,
+        "test_accuracy": predictive.accuracy(log_probs, labels),
+        "test_nll": predictive.nll(log_probs, labels),
+        "train_seconds": seconds,
+    }
+    tqdm.write(
+        f"epoch {epoch + 1}/{run.cfg['schedule']['epochs']}: loss {loss:.4f}, test accuracy "
+        f"at g {100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        distributed.leave()
+    if not results:  # a torchrun process other than rank 0
+        return 0
     for estimate in ("point", "average"):
         m = results[estimate]
         print(
