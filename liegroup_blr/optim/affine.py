@@ -130,17 +130,12 @@ class AffineBLR(LieGroupBLR):
             torch._foreach_copy_(params, torch._foreach_add(xi, self._shifts(params)))
 
     def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:
-        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        if group["prior_precision"]:
-            decay = group["prior_precision"] / group["data_size"]
-            grads = list(torch._foreach_add(grads, params, alpha=decay))
+        grads = self._loss_gradients(group, params)
         xi = [self._scratch[p]["xi"] for p in params]
         torch._foreach_mul_(xi, grads)  # ∇ℓ ⊙ Aξ
         acc_v = [self._buffer(p, "acc_v", p.shape) for p in params]
         if first:  # this sample's buffer becomes the U accumulator
-            for p in params:
-                scratch = self._scratch[p]
-                scratch["acc_u"] = scratch.pop("xi")
+            self._rename(params, "xi", "acc_u")
             torch._foreach_copy_(acc_v, grads)
         else:
             torch._foreach_add_([self._scratch[p]["acc_u"] for p in params], xi)

@@ -281,12 +281,33 @@ class LieGroupBLR(Optimizer):
         return gen
 
     def _buffer(self, p: Tensor, key: str, shape: torch.Size) -> Tensor:
-        """A reusable scratch tensor of ``shape`` in ``p``'s state dtype."""
+        """A reusable scratch tensor of ``shape`` in ``p``'s state dtype (allocating large
+        tensors on every step costs page faults: scratch is kept and reused)."""
         scratch = self._scratch.setdefault(p, {})
         buf = scratch.get(key)
         if buf is None or buf.shape != shape:
             buf = scratch[key] = torch.empty(shape, dtype=state_dtype(p), device=p.device)
         return buf
+
+    def _rename(self, params: list[Tensor], old: str, new: str) -> None:
+        """Scratch buffer ``old`` becomes ``new``; the previous ``new`` is reused as ``old``."""
+        for p in params:
+            scratch = self._scratch[p]
+            scratch[new], previous = scratch[old], scratch.get(new)
+            if previous is None or previous.shape != scratch[new].shape:
+                del scratch[old]
+            else:
+                scratch[old] = previous
+
+    def _loss_gradients(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
+        """∇ℓ̄ + (δ/N)θ at the current sample (just ``p.grad`` when δ = 0)."""
+        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
+        if not group["prior_precision"]:
+            return grads
+        total = [self._buffer(p, "grad", p.shape) for p in params]
+        torch._foreach_copy_(total, grads)
+        torch._foreach_add_(total, params, alpha=group["prior_precision"] / group["data_size"])
+        return total
 
     # ------------------------------------------------------------ public API
     @contextmanager

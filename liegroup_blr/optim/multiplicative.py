@@ -142,18 +142,13 @@ class MultiplicativeBLR(LieGroupBLR):
         self._readout_into(params, w)
 
     def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:
-        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        if group["prior_precision"]:
-            decay = group["prior_precision"] / group["data_size"]
-            grads = list(torch._foreach_add(grads, params, alpha=decay))
+        grads = self._loss_gradients(group, params)
         w = [self._scratch[p]["w"] for p in params]
         for part in self._parts(w):
             if part:
                 torch._foreach_mul_(part, grads)  # ∇ℓ ⊙ g ⊙ ξ, sign applied in _propose
         if first:  # this sample's buffer becomes the accumulator
-            for p in params:
-                scratch = self._scratch[p]
-                scratch["acc"] = scratch.pop("w")
+            self._rename(params, "w", "acc")
         else:
             torch._foreach_add_([self._scratch[p]["acc"] for p in params], w)
 
