@@ -30,6 +30,13 @@ from experiments.models import CNN, MLP
 
 BATCH = 50
 DATA_SIZE = 60_000
+RULES: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=1e-3, **kw),
+    "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
+        ps, lr=1e-3, data_size=DATA_SIZE, temperature=0.006, **kw
+    ),
+    "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=1e-3, scale_lr=1e-5, data_size=DATA_SIZE, **kw),
+}
 
 
 def _mean_time(fn: Callable[[], object], steps: int) -> float:
@@ -54,12 +61,10 @@ def _optimizers(model: nn.Module) -> dict[str, tuple[nn.Module, torch.optim.Opti
         "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=True),
         "ivon": lambda ps: ivon.IVON(ps, lr=1e-3, ess=DATA_SIZE),
-        "additive": lambda ps: lgb.AdditiveBLR(ps, lr=1e-3),
-        "multiplicative": lambda ps: lgb.MultiplicativeBLR(
-            ps, lr=1e-3, data_size=DATA_SIZE, temperature=0.006
-        ),
-        "affine": lambda ps: lgb.AffineBLR(ps, lr=1e-3, scale_lr=1e-5, data_size=DATA_SIZE),
+        **RULES,
     }
+    for rule in RULES:  # the same rules with compile=True
+        makers[f"{rule} (compiled)"] = lambda ps, rule=rule: RULES[rule](ps, compile=True)
     out = {}
     for name, make in makers.items():
         twin = copy.deepcopy(model)
@@ -170,18 +175,19 @@ def run(model_name: str, rounds: int, steps: int) -> None:
 
     print(f"\n== {model_name}: {n_params:,} parameters, batch {BATCH}, mc 1 ==")
     print(
-        f"{'optimizer':<16}{'full ms':>9}{'÷ SGD':>8}{'L ms':>8}{'÷ L':>7}{'arith ms':>10}"
+        f"{'optimizer':<26}{'full ms':>9}{'÷ SGD':>8}{'L ms':>8}{'÷ L':>7}{'arith ms':>10}"
         f"{'÷ Adam':>8}"
     )
     sgd, adam = med["full:sgd"], med["arith:adam"]
     for name in opts:
         f, a = med[f"full:{name}"], med[f"arith:{name}"]
-        if name in draws:
-            floor = sgd + med[f"draw:{name}"]
+        rule = name.removesuffix(" (compiled)")
+        if rule in draws:
+            floor = sgd + med[f"draw:{rule}"]
             extra = f"{floor:>8.2f}{f / floor:>7.2f}"
         else:
             extra = f"{'':>8}{'':>7}"
-        print(f"{name:<16}{f:>9.2f}{f / sgd:>8.2f}{extra}{a:>10.2f}{a / adam:>8.2f}")
+        print(f"{name:<26}{f:>9.2f}{f / sgd:>8.2f}{extra}{a:>10.2f}{a / adam:>8.2f}")
     print("targets: full ÷ L ≤ 1.15 (L = SGD step + the rule's noise draw); arith ÷ Adam ≤ 1.5")
 
 

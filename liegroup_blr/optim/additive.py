@@ -101,8 +101,25 @@ class AdditiveBLR(LieGroupBLR):
         torch._foreach_copy_([self.state[p]["momentum"] for p in params], acc)
         torch._foreach_mul_(acc, -group["lr"])  # the old momentum buffer is free: −αM
         torch._foreach_add_(self._elements(params), acc)
+        self._write_point(group, params)
+
+    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
+        acc = self._accumulators(params)
+        for a, p in zip(acc, params, strict=True):
+            a.div_(n).lerp_(self.state[p]["momentum"], group["momentum"])
+        return acc
+
+    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        mean = self._mean(group)
+        for a, p in zip(self._accumulators(params), params, strict=True):
+            state = self.state[p]
+            state["momentum"].copy_(a)
+            m = state["element"] - a * group["lr"]
+            state["element"].copy_(m)
+            p.copy_(m + mean if mean else m)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         torch._foreach_copy_(params, self._elements(params))
-        if self.point_estimate == "mean" and float(group["base"].mean):
-            torch._foreach_add_(params, float(group["base"].mean))
+        mean = self._mean(group)
+        if mean:
+            torch._foreach_add_(params, mean)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
 
-from ..groups import DiagonalAffineGroup
+from ..groups import DiagonalAffineGroup, exprel
 from .generic import LieGroupBLR, _number, state_dtype
 from .multiplicative import clamp_finite_positive_, exp_step_
 
@@ -182,18 +182,42 @@ class AffineBLR(LieGroupBLR):
         torch._foreach_neg_(y)
         torch._foreach_expm1_(y)  # −(1 − e^{−|x|})
         torch._foreach_mul_(u, y)
-        torch._foreach_mul_(u, v)
         torch._foreach_mul_(u, A)
-        torch._foreach_mul_(u, lr)
-        torch._foreach_add_(b, u)
+        torch._foreach_addcmul_(b, u, v, value=lr)
         torch._foreach_clamp_min_(b, -info.max)
         torch._foreach_clamp_max_(b, info.max)
         torch._foreach_copy_(v, [m[0] for m in moms])
         torch._foreach_mul_(A, exp_step_(v, scale_lr))
         clamp_finite_positive_(A)
+        self._write_point(group, params)
+
+    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
+        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+        out = []
+        for p in params:
+            scratch, state = self._scratch[p], self.state[p]
+            u, v, m = scratch["acc_u"], scratch["acc_v"], state["momentum"]
+            u.copy_(torch.lerp(u / n - shift, m[0], group["scale_momentum"]))
+            v.copy_(torch.lerp(v * state["element"][0] / n, m[1], group["momentum"]))
+            out += [u, v]
+        return out
+
+    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        lr, mean = group["lr"], self._mean(group)
+        scale_lr = group["scale_lr"] * lr / group["initial_lr"]
+        for p in params:
+            scratch, state = self._scratch[p], self.state[p]
+            u, v, (A, b) = scratch["acc_u"], scratch["acc_v"], state["element"]
+            state["momentum"].copy_(torch.stack((u, v)))
+            info = torch.finfo(u.dtype)
+            x = (u * -lr).clamp(max=math.log(info.max))  # capped where e^x overflows anyway
+            b_new = (b - A * v * exprel(x) * lr).clamp(-info.max, info.max)
+            A_new = (A * torch.exp(u * -scale_lr)).clamp(info.tiny, info.max)
+            state["element"].copy_(torch.stack((A_new, b_new)))
+            p.copy_(b_new + A_new * mean if mean else b_new)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         torch._foreach_copy_(params, self._shifts(params))
-        mean = float(group["base"].mean) if self.point_estimate == "mean" else 0.0
+        mean = self._mean(group)
         if mean:
             torch._foreach_add_(params, torch._foreach_mul(self._scales(params), mean))

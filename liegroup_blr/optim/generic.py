@@ -211,8 +211,8 @@ class LieGroupBLR(Optimizer):
         self._fisher_blocks: dict[int, Tensor] = {}
         self.compile = bool(compile)
         if self.compile:  # one graph each; lr enters as a tensor, so schedules don't recompile
-            self._propose = torch.compile(self._propose, fullgraph=True)  # type: ignore[method-assign]
-            self._commit = torch.compile(self._commit, fullgraph=True)  # type: ignore[method-assign]
+            self._propose = torch.compile(self._fused_propose, fullgraph=True)  # type: ignore[method-assign]
+            self._commit = torch.compile(self._fused_commit, fullgraph=True)  # type: ignore[method-assign]
         super().__init__(params, defaults)
         if process_group is not None:
             self._broadcast_state()
@@ -489,9 +489,11 @@ class LieGroupBLR(Optimizer):
         if loss_finite:
             for group, params in work:
                 proposals += self._propose(group, params, n)
+        moved: set[Tensor] = set()
         if loss_finite and all_finite(proposals):
             for group, params in work:
                 self._commit(group, params)
+                moved.update(params)
         elif work:
             self.skipped_steps += 1
             warnings.warn(
@@ -501,7 +503,10 @@ class LieGroupBLR(Optimizer):
                 stacklevel=3,
             )
         self._reset_samples()
-        self._write_point_all()
+        for group in self.param_groups:  # the rest still hold a sample
+            rest = [p for p in self._active(group) if p not in moved]
+            if rest:
+                self._write_point(group, rest)
 
     def _hyperparameters(self, group: dict[str, Any]) -> dict[str, Any]:
         """The group as the update sees it: under ``compile`` its lr is a 0-d tensor."""
@@ -582,7 +587,8 @@ class LieGroupBLR(Optimizer):
     # ---------------------------------------------- hooks (generic versions)
     # _draw writes a sample into the parameters; _accumulate adds one sample's algebra
     # gradient to scratch "acc"; _propose turns "acc" into the new momentum (still scratch)
-    # and returns it for the finiteness check; _commit swaps it in and moves the elements.
+    # and returns tensors that must be finite; _commit makes it the momentum, moves the
+    # elements and writes the new point estimates into the parameters.
     def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
         G = self.lie_group
         for p in params:
@@ -629,6 +635,20 @@ class LieGroupBLR(Optimizer):
             state, scratch = self.state[p], self._scratch[p]
             state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
             state["element"] = G.step(state["element"], state["momentum"] * -group["lr"])
+        self._write_point(group, params)
+
+    # Under ``compile=True`` the update runs these per-tensor formulations through
+    # torch.compile, which fuses each parameter's arithmetic into one kernel (a compiled
+    # foreach chain is not fused on the CPU); eager steps run the foreach hooks above.
+    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
+        return self._propose(group, params, n)
+
+    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        self._commit(group, params)
+
+    def _mean(self, group: dict[str, Any]) -> float:
+        """E[ξ] under ``point_estimate="mean"``, else 0 (the built-in rules read ξ₀ = 0 or 1)."""
+        return float(group["base"].mean) if self.point_estimate == "mean" else 0.0
 
     def _reference(self, group: dict[str, Any], p: Tensor) -> Tensor:
         """ξ₀ at which the point estimate is read."""

@@ -173,8 +173,29 @@ class MultiplicativeBLR(LieGroupBLR):
         elements = [self.state[p]["element"] for p in params]
         torch._foreach_mul_(elements, exp_step_(acc, group["lr"]))
         clamp_finite_positive_(elements)
+        self._write_point(group, params)
+
+    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
+        acc = self._accumulators(params)
+        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+        for a, p in zip(acc, params, strict=True):
+            scale: float | Tensor = 1.0 / n
+            if self.lie_group.signed:  # X̂⁺ = acc⁺/n − τ/N, X̂⁻ = −acc⁻/n − τ/N
+                signs = torch.tensor([1.0, -1.0], dtype=a.dtype).view(2, *[1] * (a.ndim - 1))
+                scale = signs / n
+            a.copy_(torch.lerp(a * scale - shift, self.state[p]["momentum"], group["momentum"]))
+        return acc
+
+    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        mean = self._mean(group) or 1.0
+        for a, p in zip(self._accumulators(params), params, strict=True):
+            state, info = self.state[p], torch.finfo(a.dtype)
+            state["momentum"].copy_(a)
+            g = (state["element"] * torch.exp(a * -group["lr"])).clamp(info.tiny, info.max)
+            state["element"].copy_(g)
+            p.copy_(((g[0] - g[1]) if self.lie_group.signed else g) * mean)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         self._readout_into(params, [self.state[p]["element"] for p in params])
         if self.point_estimate == "mean":
-            torch._foreach_mul_(params, float(group["base"].mean))
+            torch._foreach_mul_(params, self._mean(group))
