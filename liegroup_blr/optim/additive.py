@@ -97,10 +97,11 @@ class AdditiveBLR(LieGroupBLR):
         return [self._scratch[p]["acc"] for p in params]
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        acc = self._accumulators(params)
-        torch._foreach_copy_([self.state[p]["momentum"] for p in params], acc)
-        torch._foreach_mul_(acc, -group["lr"])  # the old momentum buffer is free: −αM
-        torch._foreach_add_(self._elements(params), acc)
+        for p in params:  # the proposal becomes the momentum; the old one, scratch
+            state, scratch = self.state[p], self._scratch[p]
+            state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
+        moms = [self.state[p]["momentum"] for p in params]
+        torch._foreach_add_(self._elements(params), moms, alpha=-group["lr"])
         self._write_point(group, params)
 
     def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
