@@ -15,7 +15,7 @@ import liegroup_blr as lgb
 from liegroup_blr.distributions import Rayleigh
 from liegroup_blr.noise import NoiseTable, symmetric_centre
 
-from .test_optim import closure_for, make_problem, snapshot
+from .test_optim import closure_for, make_problem, recording_closure, snapshot
 
 
 def test_table_holds_base_draws_with_the_base_moments():
@@ -87,16 +87,8 @@ def test_antithetic_pairs_are_exact_reflections(centre):
     theta = nn.Parameter(torch.zeros(50, dtype=torch.float64))
     opt = lgb.AdditiveBLR([theta], lr=0.1, base=Normal(centre, 0.3), mc_samples=4, antithetic=True)
     m = opt.group_element(theta)["m"]
-    seen = []
-
-    def closure():
-        opt.zero_grad()
-        seen.append(theta.detach().clone())
-        loss = (theta**2).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+    seen: list[torch.Tensor] = []
+    opt.step(recording_closure(opt, theta, seen))
     for first, second in ((0, 1), (2, 3)):
         torch.testing.assert_close(seen[second] - m, 2 * centre - (seen[first] - m))
     assert not torch.allclose(seen[0], seen[2])  # pairs are independent of each other

@@ -635,10 +635,8 @@ def test_manual_sampling_loop_equals_closure_loop(kind):
         assert torch.equal(p, q)
 
 
-def test_closure_is_called_once_per_mc_sample_at_distinct_samples():
-    theta = nn.Parameter(torch.zeros(4))
-    opt = lgb.AdditiveBLR([theta], lr=0.1, base=Normal(0.0, 1.0), mc_samples=5)
-    seen = []
+def recording_closure(opt, theta, seen):
+    """A closure on ℓ = ‖θ‖² that appends every sample θ it is evaluated at to ``seen``."""
 
     def closure():
         opt.zero_grad()
@@ -647,7 +645,14 @@ def test_closure_is_called_once_per_mc_sample_at_distinct_samples():
         loss.backward()
         return loss
 
-    loss = opt.step(closure)
+    return closure
+
+
+def test_closure_is_called_once_per_mc_sample_at_distinct_samples():
+    theta = nn.Parameter(torch.zeros(4))
+    opt = lgb.AdditiveBLR([theta], lr=0.1, base=Normal(0.0, 1.0), mc_samples=5)
+    seen: list[torch.Tensor] = []
+    loss = opt.step(recording_closure(opt, theta, seen))
     assert len(seen) == 5
     assert len({tuple(s.tolist()) for s in seen}) == 5
     torch.testing.assert_close(loss, torch.stack([(s**2).sum() for s in seen]).mean())

@@ -36,17 +36,10 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
+from experiments.benchmarks.step_time import RULES
 from experiments.models import MLP, ResNet
 
 LOSS = nn.functional.cross_entropy
-N = 60_000
-RULES: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=1e-3, **kw),
-    "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=1e-3, data_size=N, temperature=0.006, **kw
-    ),
-    "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=1e-3, scale_lr=1e-5, data_size=N, **kw),
-}
 
 
 def problem(name: str) -> tuple[nn.Module, Tensor, Tensor]:
