@@ -10,15 +10,14 @@ and ``DIR/learning_curves.png`` the test curves.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from experiments import cli, distributed, figures
 from experiments import config as config_module
-from experiments import distributed, figures
 from experiments.train import METRICS, train
 
 # key, column header, format of the table cell
@@ -134,30 +133,13 @@ def compare(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("config", type=Path, help="TOML comparison config")
-    parser.add_argument("--out", type=Path, help="report folder (default: results/CONFIG_NAME)")
-    parser.add_argument("--resume", action="store_true", help="resume or reuse finished runs")
-    args = parser.parse_args(argv)
-    out = args.out or Path("results") / args.config.stem
-    tic = time.perf_counter()
-    try:
-        results = compare(config_module.load(args.config), out, args.resume)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        distributed.leave()
-    if not results:  # a torchrun process other than rank 0
-        return 0
+def _show(results: dict[str, Any], out: Path) -> None:
     print((out / "report.md").read_text())
-    print(f"report in {out} ({time.perf_counter() - tic:.1f}s)")
-    return 0
+    print(f"report in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv)
 
 
 if __name__ == "__main__":

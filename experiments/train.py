@@ -11,7 +11,6 @@ Under ``torchrun`` the same command trains over processes (experiments/distribut
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -31,8 +30,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
+from experiments import cli, distributed
 from experiments import config as config_module
-from experiments import distributed
 from experiments.data import Dataset, load_dataset, test_batches, train_batches
 from experiments.distributed import Processes
 from experiments.evaluate import evaluate
@@ -315,26 +314,7 @@ def _epoch_row(
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.train",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("config", type=Path, help="TOML config (or a run's config.json)")
-    parser.add_argument("--out", type=Path, help="output folder (default: results/CONFIG_NAME)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint")
-    args = parser.parse_args(argv)
-    out = args.out or Path("results") / args.config.stem
-    try:
-        results = train(config_module.load(args.config), out, args.resume)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        distributed.leave()
-    if not results:  # a torchrun process other than rank 0
-        return 0
+def _show(results: dict[str, Any], out: Path) -> None:
     for estimate in ("point", "average"):
         m = results[estimate]
         print(
@@ -342,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             f"ECE {m['ece']:.4f}, Brier {m['brier']:.4f}"
         )
     print(f"results in {out}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run("python -m experiments.train", __doc__, train, _show, argv)
 
 
 if __name__ == "__main__":
