@@ -215,6 +215,7 @@ def test_state_dict_resumes_table_and_antithetic_noise_bit_identically():
     model2, _, _ = make_problem(seed=4, dtype=torch.float32)
     model2.load_state_dict(ckpt["model"])
     opt2 = make(model2)
+    opt2.step(closure_for(opt2, model2, x, y))  # builds its own tables, from its own seed
     opt2.load_state_dict(ckpt["opt"])
     for _ in range(3):
         opt2.step(closure_for(opt2, model2, x, y))

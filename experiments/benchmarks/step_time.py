@@ -135,7 +135,12 @@ def _noise_draw(rule: str, params: list[Tensor]) -> Callable[[], None]:
     """The rule's noise for every parameter with torch's fastest sampler for it."""
     if rule in ("additive", "affine"):  # Gaussian: normal_ per parameter
         bufs = [torch.empty_like(p) for p in params]
-        return lambda: [b.normal_() for b in bufs] and None
+
+        def gaussian() -> None:
+            for b in bufs:
+                b.normal_()
+
+        return gaussian
     bufs = [torch.empty((2, *p.shape)) for p in params]  # Rayleigh for g⁺ and g⁻
 
     def inverse_cdf() -> None:

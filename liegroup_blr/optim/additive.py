@@ -87,14 +87,11 @@ class AdditiveBLR(LieGroupBLR):
             torch._foreach_add_(acc, params, alpha=decay)
 
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc = [self._scratch[p]["acc"] for p in params]
+        acc = self._accumulators(params)
         if n > 1:
             torch._foreach_div_(acc, n)
         torch._foreach_lerp_(acc, [self.state[p]["momentum"] for p in params], group["momentum"])
         return acc
-
-    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
-        return [self._scratch[p]["acc"] for p in params]
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
         for p in params:  # the proposal becomes the momentum; the old one, scratch

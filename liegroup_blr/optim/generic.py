@@ -436,6 +436,7 @@ class LieGroupBLR(Optimizer):
         for device, gen_state in rng.items():
             self._generator(torch.device(device)).set_state(gen_state)
         self._scratch.clear()
+        self._tables.clear()  # rebuilt from the loaded seed
         with torch.no_grad():
             self._write_point_all()
 

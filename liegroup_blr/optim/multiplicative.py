@@ -150,10 +150,7 @@ class MultiplicativeBLR(LieGroupBLR):
         if first:  # this sample's buffer becomes the accumulator
             self._rename(params, "w", "acc")
         else:
-            torch._foreach_add_([self._scratch[p]["acc"] for p in params], w)
-
-    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
-        return [self._scratch[p]["acc"] for p in params]
+            torch._foreach_add_(self._accumulators(params), w)
 
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
         acc = self._accumulators(params)
