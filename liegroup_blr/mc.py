@@ -1,7 +1,7 @@
 r"""Monte-Carlo training steps: samples one after another, or all in one vectorised pass.
 
 :func:`mc_step` runs one update of a Lie-group optimizer over its ``mc_samples`` samples. A
-sample θ_s = readout(g·ξ_s) is drawn exactly as :meth:`~liegroup_blr.LieGroupBLR.step` draws
+sample θ_s = readout(g·ξ_s) is drawn exactly as :meth:`~liegroup_blr.optim.BLROptimizer.step` draws
 it; the forward and backward passes either run one sample at a time, or together as one
 ``torch.func.vmap`` of ``functional_call`` over the stacked θ_s (``vectorize=True``), in
 chunks that bound memory. Both give the same noise and the same update, to float tolerance.
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from .optim import LieGroupBLR
+from .optim import BLROptimizer
 
 __all__ = ["default_chunk_size", "mc_step"]
 
@@ -59,7 +59,7 @@ def _slices(inputs: Tensor, targets: Tensor, batch_split: int) -> tuple[Tensor, 
 
 
 def mc_step(
-    optimizer: LieGroupBLR,
+    optimizer: BLROptimizer,
     model: nn.Module,
     loss_fn: LossFn,
     inputs: Tensor,
@@ -86,9 +86,9 @@ def mc_step(
 
     Returns:
         the mean loss over samples. A non-finite algebra gradient (a NaN or infinite loss
-        gives one) skips the update, as :meth:`~liegroup_blr.LieGroupBLR.step` does.
+        gives one) skips the update, as :meth:`~liegroup_blr.optim.BLROptimizer.step` does.
     """
-    if optimizer._sampling or optimizer._num_samples:
+    if optimizer.pending_samples:
         raise RuntimeError("mc_step() needs an optimizer with no samples pending")
     xs, ys = _slices(inputs, targets, batch_split)
     count = batch_split * optimizer.mc_samples
@@ -102,7 +102,7 @@ def mc_step(
 
 
 def _sequential(
-    opt: LieGroupBLR, model: nn.Module, loss_fn: LossFn, xs: Tensor, ys: Tensor, count: int
+    opt: BLROptimizer, model: nn.Module, loss_fn: LossFn, xs: Tensor, ys: Tensor, count: int
 ) -> list[Tensor]:
     losses = []
     for j in range(count):
@@ -115,7 +115,7 @@ def _sequential(
 
 
 def _vectorised(
-    opt: LieGroupBLR,
+    opt: BLROptimizer,
     model: nn.Module,
     loss_fn: LossFn,
     xs: Tensor,
@@ -134,28 +134,15 @@ def _vectorised(
     per_sample = vmap(grad_and_value(sample_loss))
     losses: list[Tensor] = []
     for start in range(0, count, chunk):
-        samples = range(start, min(count, start + chunk))
-        thetas, scratches = [], []
-        with torch.no_grad():  # draw in order: the same noise as the sequential loop
-            for _ in samples:
-                opt._draw_all(train=True)
-                thetas.append({n: p.detach().clone() for n, p in trained.items()})
-                scratches.append(
-                    {
-                        p: {k: s[k].clone() for k in opt._sample_buffers if k in s}
-                        for p, s in opt._scratch.items()
-                    }
-                )
-        stacked = {n: torch.stack([t[n] for t in thetas]) for n in trained}
-        index = torch.tensor([j % len(xs) for j in samples], device=xs.device)
+        indices = range(start, min(count, start + chunk))
+        # draw in order (the same noise as the sequential loop), keep each sample
+        samples = [opt.draw(train=True).clone() for _ in indices]
+        at = {p: i for i, p in enumerate(samples[0].params)} if samples else {}
+        stacked = {n: torch.stack([s.theta[at[p]] for s in samples]) for n, p in trained.items()}
+        index = torch.tensor([j % len(xs) for j in indices], device=xs.device)
         grads, values = per_sample(stacked, xs[index], ys[index])
-        with torch.no_grad():  # accumulate each sample as the sequential loop does
-            for i, (theta, scratch) in enumerate(zip(thetas, scratches, strict=True)):
-                for p, saved in scratch.items():
-                    opt._scratch[p].update(saved)
-                for n, p in trained.items():
-                    p.copy_(theta[n])
-                    p.grad = grads[n][i]
-                opt._accumulate_all()
+        for i, sample in enumerate(samples):  # accumulate each as the sequential loop does
+            by_param: dict[Tensor, Tensor] = {p: grads[n][i] for n, p in trained.items()}
+            opt.accumulate(sample, [by_param.get(p) for p in sample.params])
         losses += list(values.detach())
     return losses

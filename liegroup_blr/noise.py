@@ -1,5 +1,9 @@
 r"""Where the base noise ξ comes from: fresh draws, a pre-drawn table, antithetic pairs.
 
+Every optimizer owns one :class:`NoiseSource`: its generators (one per device), its noise
+tables, their seeding and the antithetic pairing, with a ``state_dict`` of its own, so an
+optimizer's ``state_dict`` resumes the noise bit for bit.
+
 On a CPU a fresh ``normal_`` over a network's parameters costs more than its forward and
 backward pass. :class:`NoiseTable` draws base noise once and serves each request as a window
 of the table at a uniformly random offset, copied into place — one memory pass and a single
@@ -10,16 +14,21 @@ symmetric base: half the draws, and lower variance of the gradient estimate.
 
 from __future__ import annotations
 
+import zlib
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.distributions import Cauchy, Distribution, Laplace, Normal, StudentT, Uniform
 
 from .distributions import Dirac, sample_into
 
-__all__ = ["NOISE_SOURCES", "NoiseTable", "symmetric_centre"]
+__all__ = ["NOISE_SOURCES", "NoiseSource", "NoiseTable", "symmetric_centre"]
 
 NOISE_SOURCES = ("fresh", "table")
 """Noise sources the optimizers accept (fresh draws from the base, or a :class:`NoiseTable`)."""
+
+_CPU = torch.device("cpu")
 
 
 def symmetric_centre(base: Distribution) -> float | None:
@@ -78,3 +87,119 @@ class NoiseTable:
     def fill_(self, out: Tensor, offset: int) -> Tensor:
         """Copy the window at ``offset`` into ``out``."""
         return out.copy_(self.window(out.numel(), offset).view(out.shape))
+
+
+class NoiseSource:
+    r"""The noise of one optimizer: generators, tables, seeding and antithetic pairing.
+
+    Draws are made per param group with :meth:`fill_`; a sample over all groups is opened by
+    :meth:`start_sample`. With ``antithetic=True`` consecutive training samples of a step form
+    pairs (ξ, 2c − ξ); :meth:`end_step` starts the next step with a fresh pair.
+
+    Args:
+        kind: ``"fresh"`` (draw ξ from the base every time) or ``"table"`` (windows of a
+            :class:`NoiseTable` per param group, device and dtype).
+        seed: seed of every generator and table.
+        rank: process rank, mixed into the seeds so processes draw independent noise.
+        antithetic: pair training samples by reflection.
+        table_size: values in each table (default max(2²⁴, 4 × the group's largest tensor)).
+    """
+
+    def __init__(
+        self,
+        kind: str = "fresh",
+        seed: int = 0,
+        *,
+        rank: int = 0,
+        antithetic: bool = False,
+        table_size: int | None = None,
+    ) -> None:
+        if kind not in NOISE_SOURCES:
+            raise ValueError(f"noise: must be one of {NOISE_SOURCES}, got {kind!r}")
+        if table_size is not None and (isinstance(table_size, bool) or table_size < 1):
+            raise ValueError(f"table_size: must be a positive integer, got {table_size!r}")
+        self.kind, self.seed, self.rank = kind, int(seed), rank
+        self.antithetic, self.table_size = bool(antithetic), table_size
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._tables: dict[tuple[int, torch.device, torch.dtype], NoiseTable] = {}
+        self._kept: dict[Tensor, Tensor] = {}  # first draw of the current antithetic pair
+        self._reflect_next = False
+        self._reflect = self._keep = False
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator of ``device`` (made on first use from the seed, device and rank)."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed ^ zlib.crc32(f"{device}:{self.rank}".encode()))
+            self._generators[device] = gen
+        return gen
+
+    def table(self, base: Distribution, index: int, like: Tensor, largest: int) -> NoiseTable:
+        """The table of param group ``index`` for ``like``'s device and dtype."""
+        key = (index, like.device, like.dtype)
+        table = self._tables.get(key)
+        if table is None:
+            size = self.table_size or max(2**24, 4 * largest)
+            seed = (self.seed + 7919 * (index + 1) + 104729 * self.rank) % 2**63
+            table = self._tables[key] = NoiseTable(base, size, seed, like.dtype, like.device)
+        return table
+
+    def start_sample(self, train: bool) -> None:
+        """Open one sample: a training sample is the first or the second of a pair."""
+        self._reflect = train and self._reflect_next
+        self._keep = train and self.antithetic and not self._reflect
+        if train and self.antithetic:
+            self._reflect_next = not self._reflect
+
+    def end_step(self) -> None:
+        """The next training sample opens a new antithetic pair."""
+        self._reflect_next = False
+
+    def fill_(self, outs: list[Tensor], base: Distribution, keys: list[Tensor], index: int) -> None:
+        """Fill ``outs`` with this sample's ξ for param group ``index`` (``keys``: its
+        parameters): fresh, from the table, or the reflection 2c − ξ of the pair's first."""
+        if not outs:
+            return
+        if self._reflect:
+            kept = [self._kept[k] for k in keys]
+            torch._foreach_copy_(outs, kept)
+            torch._foreach_mul_(outs, -1.0)
+            centre = symmetric_centre(base)
+            if centre:
+                torch._foreach_add_(outs, 2 * centre)
+            return
+        if self.kind == "table":
+            largest = 2 * max(k.numel() for k in keys)  # 2: signed parts
+            offsets = torch.randint(0, 2**62, (len(outs),), generator=self.generator(_CPU))
+            for out, offset in zip(outs, offsets.tolist(), strict=True):
+                self.table(base, index, out, largest).fill_(out, offset)
+        else:
+            for out in outs:
+                sample_into(base, out, self.generator(out.device))
+        if self._keep:
+            for k, out in zip(keys, outs, strict=True):
+                first = self._kept.get(k)
+                if first is None or first.shape != out.shape or first.dtype != out.dtype:
+                    first = self._kept[k] = torch.empty_like(out)
+                first.copy_(out)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Seed and generator states (tables are rebuilt from the seed)."""
+        rng = {str(device): gen.get_state() for device, gen in self._generators.items()}
+        return {"seed": self.seed, "rng": rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; tables and pairing start afresh."""
+        self.seed = int(state.get("seed", self.seed))
+        self._generators.clear()
+        self._tables.clear()
+        self._kept.clear()
+        self._reflect_next = False
+        for device, gen_state in state.get("rng", {}).items():
+            self.generator(torch.device(device)).set_state(gen_state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_tables"] = {}  # deterministic in the seed: rebuilt, not copied
+        return state

@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, folder: str, mode: str) -> None:
                 for p in model.parameters():
                     p.add_(1.0)
         opt = make_opt(model.parameters(), process_group=dist.group.WORLD)
-        generator_state = opt._generator(CPU).get_state()
+        generator_state = opt.noise_source.generator(CPU).get_state()
         xb, yb = batch_for(x, y, rank, mode)
         for _ in range(STEPS):
 
@@ -76,12 +76,12 @@ def test_two_processes_equal_one_process_with_their_samples_and_noise(tmp_path, 
     streams = [res["generator"] for res in results]
     for _ in range(STEPS):
         for r in range(2):
-            opt._generator(CPU).set_state(streams[r])
+            opt.noise_source.generator(CPU).set_state(streams[r])
             xb, yb = batch_for(x, y, r, mode)
             with opt.sampled_params(train=True):
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(xb), yb).backward()
-            streams[r] = opt._generator(CPU).get_state()
+            streams[r] = opt.noise_source.generator(CPU).get_state()
         opt.step()
     for p, q in zip(model.parameters(), results[0]["params"], strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=1e-12, atol=1e-14)

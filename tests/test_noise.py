@@ -75,7 +75,7 @@ def test_table_draws_are_cheap_views_not_fresh_random_numbers():
     """Each draw copies a window: two draws at the same offset agree exactly."""
     p = nn.Parameter(torch.zeros(100))
     opt = lgb.AdditiveBLR([p], lr=0.1, base=Normal(0.0, 1.0), noise="table", table_size=150)
-    table = opt._table(opt.param_groups[0], p).table
+    table = opt.noise_source.table(opt.param_groups[0]["base"], 0, p, 2 * p.numel()).table
     xi = _draws(opt, p, 20)
     for row in xi:  # every draw is a window of the table
         starts = [o for o in range(51) if torch.equal(table[o : o + 100], row)]

@@ -21,6 +21,15 @@ RULES = {
     "affine": lambda ps, **kw: lgb.AffineBLR(
         ps, lr=0.1, scale_lr=0.05, base=torch.distributions.Normal(0.0, 0.05), data_size=100, **kw
     ),
+    "generic": lambda ps, **kw: lgb.LieGroupBLR(
+        ps,
+        lgb.groups.DiagonalAffineGroup(),
+        torch.distributions.Normal(0.0, 0.05),
+        lr=0.1,
+        data_size=100,
+        temperature=0.5,
+        **kw,
+    ),
 }
 
 

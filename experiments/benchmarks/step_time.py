@@ -121,12 +121,11 @@ def _arithmetic(opt: torch.optim.Optimizer) -> Callable[[], float]:
         return torch_step
 
     def ours() -> float:
-        with torch.no_grad():
-            opt._draw_all(train=True)
-            start = time.perf_counter()
-            opt._accumulate_all()
-            opt._update(loss_finite=True)
-            return time.perf_counter() - start
+        sample = opt.draw(train=True)
+        start = time.perf_counter()
+        opt.accumulate(sample)
+        opt.step()
+        return time.perf_counter() - start
 
     return ours
 

@@ -2,7 +2,8 @@
 
 from .additive import AdditiveBLR
 from .affine import AffineBLR
+from .base import BLROptimizer, Sample
 from .generic import LieGroupBLR
 from .multiplicative import MultiplicativeBLR
 
-__all__ = ["AdditiveBLR", "AffineBLR", "LieGroupBLR", "MultiplicativeBLR"]
+__all__ = ["AdditiveBLR", "AffineBLR", "BLROptimizer", "LieGroupBLR", "MultiplicativeBLR", "Sample"]

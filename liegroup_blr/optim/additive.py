@@ -1,4 +1,12 @@
-"""The additive rule: noisy SGD with momentum, θ = m + ξ."""
+r"""The additive rule: noisy SGD with momentum, θ = m + ξ.
+
+.. math::
+    \hat X = \frac1S \sum_s \nabla\bar\ell_\delta(m + \xi_s), \qquad
+    M \leftarrow \beta M + (1-\beta)\hat X, \qquad m \leftarrow m - \alpha M.
+
+The kernels below act on explicit tensor lists, one tensor at a time, so that under
+``torch.compile`` each parameter's update is one fused kernel.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +18,52 @@ from torch import Tensor
 from torch.distributions import Distribution, Normal
 
 from ..groups import AdditiveGroup
-from .generic import LieGroupBLR
+from .base import BLROptimizer
+from .state import state_dtype
 
-__all__ = ["AdditiveBLR"]
+__all__ = ["AdditiveBLR", "additive_accumulate", "additive_commit", "additive_draw"]
 
 
-class AdditiveBLR(LieGroupBLR):
+def additive_draw(elements: list[Tensor], noise: list[Tensor], params: list[Tensor]) -> None:
+    """θ = m + ξ."""
+    for m, xi, p in zip(elements, noise, params, strict=True):
+        torch.add(m, xi, out=p)
+
+
+def additive_accumulate(accs: list[Tensor], grads: list[Tensor], first: bool) -> None:
+    """acc (+)= ∇ℓ̄_δ(θ)."""
+    for acc, grad in zip(accs, grads, strict=True):
+        if first:
+            acc.copy_(grad)
+        else:
+            acc.add_(grad)
+
+
+def momentum_propose(accs: list[Tensor], momenta: list[Tensor], n: int, beta: float) -> None:
+    """acc ← β M + (1 − β) acc / n: the new momentum, in the accumulator."""
+    for acc, m in zip(accs, momenta, strict=True):
+        if n > 1:
+            acc.mul_(1.0 / n)
+        acc.lerp_(m, beta)
+
+
+def additive_commit(
+    elements: list[Tensor],
+    momenta: list[Tensor],
+    params: list[Tensor],
+    lr: float | Tensor,
+    mean: float | None,
+) -> None:
+    """m ← m − α M; θ ← m (+ E[ξ] under ``point_estimate="mean"``)."""
+    for m, mom, p in zip(elements, momenta, params, strict=True):
+        if isinstance(lr, Tensor):
+            m.sub_(mom * lr)
+        else:
+            m.add_(mom, alpha=-lr)
+        p.copy_(m if mean is None else m + mean)
+
+
+class AdditiveBLR(BLROptimizer):
     r"""Lie-group BLR with the additive group: Gaussian-perturbed ("noisy") SGD.
 
     Samples :math:`\theta_s = m + \xi_s`, :math:`\xi_s \sim q_0`; the entropy is constant, so
@@ -26,7 +74,7 @@ class AdditiveBLR(LieGroupBLR):
         \qquad M \leftarrow \beta M + (1-\beta)\hat X, \qquad m \leftarrow m - \alpha M.
 
     With a ``Dirac(0)`` base this is exactly SGD with EMA momentum (M₀ = 0) and weight decay
-    δ/N. The parameters hold :math:`m` outside :meth:`~LieGroupBLR.sampled_params`.
+    δ/N. The parameters hold :math:`m` outside :meth:`~BLROptimizer.sampled_params`.
 
     Args:
         params: parameters or param groups.
@@ -37,13 +85,10 @@ class AdditiveBLR(LieGroupBLR):
         temperature: τ ≥ 0 (no effect: the entropy of m + ξ does not depend on m).
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
-        **options: keyword-only optimizer-level options of :class:`LieGroupBLR`:
-            ``point_estimate`` — ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
-            ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-            ``process_group``.
+        point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler: as for
+            :class:`~liegroup_blr.optim.base.BLROptimizer`.
     """
-
-    _sample_buffers = ()  # the sample lives in the parameters themselves
 
     def __init__(
         self,
@@ -55,7 +100,15 @@ class AdditiveBLR(LieGroupBLR):
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
-        **options: Any,
+        *,
+        point_estimate: str = "g",
+        seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
+        compile: bool = False,
+        process_group: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -65,59 +118,42 @@ class AdditiveBLR(LieGroupBLR):
             temperature=temperature,
             prior_precision=prior_precision,
         )
-        self._init_fn = None
-        self._construct(params, AdditiveGroup(), defaults, mc_samples, **options)
+        super().__init__(
+            params,
+            defaults,
+            AdditiveGroup(),
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+            compile=compile,
+            process_group=process_group,
+            grad_scaler=grad_scaler,
+        )
 
-    def _elements(self, params: list[Tensor]) -> list[Tensor]:
-        return [self.state[p]["element"] for p in params]
+    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        m = p.detach().to(state_dtype(p), copy=True)
+        return {"element": m, "momentum": torch.zeros_like(m)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
-        self._noise_into(group, params, params)  # θ = ξ + m, drawn straight into the parameter
-        torch._foreach_add_(params, self._elements(params))
+    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
+        additive_draw(self._gather(params, "element"), noise, params)
 
-    def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:
-        acc = [self._buffer(p, "acc", p.shape) for p in params]
-        grads: list[Tensor] = [p.grad for p in params]  # type: ignore[misc]
-        if first:
-            torch._foreach_copy_(acc, grads)
-        else:
-            torch._foreach_add_(acc, grads)
-        if group["prior_precision"]:
-            decay = group["prior_precision"] / group["data_size"]
-            torch._foreach_add_(acc, params, alpha=decay)
+    def _accumulate(self, group, params, noise, grads, first) -> None:
+        additive_accumulate(self._accumulators(params), grads, first)
 
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc = self._accumulators(params)
-        if n > 1:
-            torch._foreach_div_(acc, n)
-        torch._foreach_lerp_(acc, [self.state[p]["momentum"] for p in params], group["momentum"])
-        return acc
+        accs = self._accumulators(params)
+        self._kernel(momentum_propose)(accs, self._gather(params, "momentum"), n, group["momentum"])
+        return accs
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        for p in params:  # the proposal becomes the momentum; the old one, scratch
-            state, scratch = self.state[p], self._scratch[p]
-            state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
-        moms = [self.state[p]["momentum"] for p in params]
-        torch._foreach_add_(self._elements(params), moms, alpha=-group["lr"])
-        self._write_point(group, params)
-
-    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc = self._accumulators(params)
-        for a, p in zip(acc, params, strict=True):
-            a.div_(n).lerp_(self.state[p]["momentum"], group["momentum"])
-        return acc
-
-    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        mean = self._mean(group)
-        for a, p in zip(self._accumulators(params), params, strict=True):
-            state = self.state[p]
-            state["momentum"].copy_(a)
-            m = state["element"] - a * group["lr"]
-            state["element"].copy_(m)
-            p.copy_(m + mean if mean else m)
+        elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
+        lr, mean = self._rate(group), self._mean(group)
+        self._kernel(additive_commit)(elements, momenta, params, lr, mean)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        torch._foreach_copy_(params, self._elements(params))
         mean = self._mean(group)
-        if mean:
-            torch._foreach_add_(params, mean)
+        for m, p in zip(self._gather(params, "element"), params, strict=True):
+            p.copy_(m if mean is None else m + mean)

@@ -1,4 +1,16 @@
-"""The diagonal affine rule: θ = A ⊙ ξ + b, a Gaussian-like posterior for any q0."""
+r"""The diagonal affine rule: θ = A ⊙ ξ + b, a Gaussian-like posterior for any q0.
+
+Elements stack [A, b], momenta and accumulators [M_U, M_V] (shape (2, …)).
+
+.. math::
+    \hat U = \frac1S \sum_s \nabla\bar\ell_\delta(\theta_s) \odot A\xi_s - \frac{\tau}{N},
+    \qquad \hat V = A \odot \frac1S \sum_s \nabla\bar\ell_\delta(\theta_s), \\
+    b \leftarrow b - \alpha_1 A \odot M_V \odot \varphi(-\alpha_1 M_U), \qquad
+    A \leftarrow A \odot e^{-\alpha_2 M_U}, \qquad \varphi(x) = \frac{e^x - 1}{x}.
+
+The kernels act on explicit tensor lists one tensor at a time (one fused kernel per
+parameter under ``torch.compile``).
+"""
 
 from __future__ import annotations
 
@@ -10,14 +22,82 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
 
-from ..groups import DiagonalAffineGroup, exprel
-from .generic import LieGroupBLR, _number, state_dtype
-from .multiplicative import clamp_finite_positive_, exp_step_
+from ..groups import DiagonalAffineGroup
+from ..groups.affine import exprel
+from .base import BLROptimizer
+from .checks import check_number
+from .state import state_dtype
 
-__all__ = ["AffineBLR"]
+__all__ = ["AffineBLR", "affine_accumulate", "affine_commit", "affine_draw", "affine_propose"]
 
 
-class AffineBLR(LieGroupBLR):
+def affine_draw(elements: list[Tensor], noise: list[Tensor], params: list[Tensor]) -> None:
+    """Aξ (kept in ``noise`` for the accumulation), θ = Aξ + b."""
+    for g, xi, p in zip(elements, noise, params, strict=True):
+        torch.add(xi.mul_(g[0]), g[1], out=p)
+
+
+def affine_accumulate(
+    accs: list[Tensor],
+    noise: list[Tensor],
+    grads: list[Tensor],
+    elements: list[Tensor],
+    first: bool,
+) -> None:
+    """acc_U (+)= ∇ℓ̄_δ ⊙ Aξ, acc_V (+)= A ⊙ ∇ℓ̄_δ (A is fixed during a step)."""
+    for acc, axi, grad, g in zip(accs, noise, grads, elements, strict=True):
+        if first:
+            torch.mul(axi, grad, out=acc[0])
+            torch.mul(g[0], grad, out=acc[1])
+        else:
+            acc[0].addcmul_(axi, grad)
+            acc[1].addcmul_(g[0], grad)
+
+
+def affine_propose(
+    accs: list[Tensor], momenta: list[Tensor], n: int, betas: tuple[float, float], shift: float
+) -> None:
+    """[M_U, M_V] ← lerp([acc_U/n − τ/N, acc_V/n], [M_U, M_V], [β₂, β₁])."""
+    for acc, m in zip(accs, momenta, strict=True):
+        if n > 1:
+            acc.mul_(1.0 / n)
+        if shift:
+            acc[0].sub_(shift)
+        weights = torch.tensor(betas, dtype=acc.dtype, device=acc.device)
+        acc.lerp_(m, weights.view(2, *[1] * (acc.ndim - 1)))
+
+
+def affine_commit(
+    elements: list[Tensor],
+    momenta: list[Tensor],
+    work: list[Tensor],
+    params: list[Tensor],
+    lr: float | Tensor,
+    scale_lr: float | Tensor,
+    mean: float | None,
+) -> None:
+    """b ← b + A M_V (e^{x} − 1)/M_U with x = −α₁M_U (the limit −α₁ A M_V at M_U = 0),
+    A ← A e^{−α₂ M_U}; both clamped to the finite range (A > 0) for any step."""
+    for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
+        info = torch.finfo(g.dtype)
+        x, phi = ws[0], ws[1]
+        torch.mul(m[0], -lr, out=x)
+        if torch.compiler.is_compiling():  # Inductor lowers expm1 to eˣ − 1: series near 0
+            phi.copy_(exprel(x.clamp(max=math.log(info.max))))
+        else:
+            torch.expm1(x, out=phi)
+            phi.div_(x).nan_to_num_(nan=1.0)  # φ(x) = (eˣ − 1)/x, φ(0) = 1; inf/x stays inf
+        phi.clamp_(max=info.max).mul_(m[1])  # φ·M_V: finite factors, so never inf·0
+        g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)  # type: ignore[arg-type]
+        torch.mul(m[0], -scale_lr, out=x)
+        g[0].mul_(x.exp_()).clamp_(info.tiny, info.max)
+        if mean is None:
+            p.copy_(g[1])
+        else:
+            torch.add(g[1], g[0], alpha=mean, out=p)
+
+
+class AffineBLR(BLROptimizer):
     r"""Lie-group BLR with the diagonal affine group :math:`\theta = A \odot \xi + b`, A > 0.
 
     With :math:`\bar\ell_\delta = \bar\ell + \frac{\delta}{2N}\|\theta\|^2` and samples
@@ -38,18 +118,18 @@ class AffineBLR(LieGroupBLR):
     steps :math:`\alpha\,\sigma^2` on v and :math:`\alpha/2` on u are the ratio
     α₁ : α₂ = 2σ² : 1 that the rule leaves free. Linearised in α this is the Bayesian learning
     rule for a diagonal Gaussian (a variance-preconditioned mean step), and on a quadratic loss
-    with a Gaussian q0 its fixed point is the exact Gaussian posterior.
-    :math:`(e^{x}-1)/x` is evaluated as :math:`e^{\max(x,0)}\,(1 - e^{-|x|})/|x|`, finite and
-    exact at :math:`M_U = 0`. The parameters hold :math:`b` outside
-    :meth:`~LieGroupBLR.sampled_params`.
+    with a Gaussian q0 its fixed point is the exact Gaussian posterior. The parameters hold
+    :math:`b` outside :meth:`~BLROptimizer.sampled_params`.
 
-    ``lr`` (α₁) is what ``torch.optim.lr_scheduler`` schedules set; α₂ follows the same
-    relative schedule: the scale's step is ``scale_lr * lr / initial_lr``.
+    ``lr`` (α₁) is what ``torch.optim.lr_scheduler`` schedules set; α₂ keeps its ratio to it:
+    the scale's step is ``scale_lr × lr / lr₀`` with lr₀ the ``lr`` the param group was
+    created with (every scheduler, including those that set ``lr`` at construction such as
+    ``CyclicLR``, then keeps α₂/α₁ = scale_lr/lr₀).
 
     Args:
         params: parameters or param groups.
         lr: α₁ > 0, step size of the shift b.
-        scale_lr: α₂ > 0, step size of the scale A.
+        scale_lr: α₂ > 0, step size of the scale A (at ``lr``).
         momentum: β₁ ∈ [0, 1) for M_V.
         scale_momentum: β₂ ∈ [0, 1) for M_U.
         base: q0, default ``Normal(0, 0.005)`` (the reference ResNet-20's).
@@ -58,10 +138,9 @@ class AffineBLR(LieGroupBLR):
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         init_scale: initial A > 0.
-        **options: keyword-only optimizer-level options of :class:`LieGroupBLR`:
-            ``point_estimate`` — ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
-            ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-            ``process_group``.
+        point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler: as for
+            :class:`~liegroup_blr.optim.base.BLROptimizer`.
     """
 
     lie_group: DiagonalAffineGroup
@@ -79,7 +158,15 @@ class AffineBLR(LieGroupBLR):
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         init_scale: float = 1.0,
-        **options: Any,
+        *,
+        point_estimate: str = "g",
+        seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
+        compile: bool = False,
+        process_group: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -92,132 +179,67 @@ class AffineBLR(LieGroupBLR):
             prior_precision=prior_precision,
             init_scale=init_scale,
         )
-        group = DiagonalAffineGroup()
-        self._construct(params, group, defaults, mc_samples, **options)
+        super().__init__(
+            params,
+            defaults,
+            DiagonalAffineGroup(),
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+            compile=compile,
+            process_group=process_group,
+            grad_scaler=grad_scaler,
+        )
 
-    def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
-        super()._check_hyperparameters(hp)
-        _number(hp, "scale_lr", 0.0, closed=False)
-        _number(hp, "scale_momentum", 0.0, 1.0)
-        _number(hp, "init_scale", 0.0, closed=False)
+    def _validate(self, hp: dict[str, Any]) -> None:
+        super()._validate(hp)
+        check_number(hp, "scale_lr", 0.0, closed=False)
+        check_number(hp, "scale_momentum", 0.0, 1.0)
+        check_number(hp, "init_scale", 0.0, closed=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        group.setdefault("initial_lr", group["lr"])
+        group.setdefault("scale_ratio", group["scale_lr"] / group["lr"])  # α₂ / α₁
 
-    def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
+    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         theta = p.detach().to(state_dtype(p))
-        self.state[p] = {
-            "element": self.lie_group.from_point(theta, group["init_scale"]),
-            "momentum": theta.new_zeros((2, *theta.shape)),
-        }
+        element = self.lie_group.from_point(theta, group["init_scale"])
+        return {"element": element, "momentum": torch.zeros_like(element)}
 
-    def _scales(self, params: list[Tensor]) -> list[Tensor]:
-        return [self.state[p]["element"][0] for p in params]
+    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
+        affine_draw(self._gather(params, "element"), noise, params)
 
-    def _shifts(self, params: list[Tensor]) -> list[Tensor]:
-        return [self.state[p]["element"][1] for p in params]
-
-    def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
-        xi = [self._buffer(p, "xi", p.shape) for p in params]
-        self._noise_into(group, params, xi)
-        torch._foreach_mul_(xi, self._scales(params))  # A ⊙ ξ
-        if params[0].dtype == xi[0].dtype:
-            torch._foreach_copy_(params, xi)
-            torch._foreach_add_(params, self._shifts(params))
-        else:
-            torch._foreach_copy_(params, torch._foreach_add(xi, self._shifts(params)))
-
-    def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:
-        grads = self._loss_gradients(group, params)
-        xi = [self._scratch[p]["xi"] for p in params]
-        torch._foreach_mul_(xi, grads)  # ∇ℓ ⊙ Aξ
-        acc_v = [self._buffer(p, "acc_v", p.shape) for p in params]
-        if first:  # this sample's buffer becomes the U accumulator
-            self._rename(params, "xi", "acc_u")
-            torch._foreach_copy_(acc_v, grads)
-        else:
-            torch._foreach_add_([self._scratch[p]["acc_u"] for p in params], xi)
-            torch._foreach_add_(acc_v, grads)
-
-    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
-        return [self._scratch[p][key] for key in ("acc_u", "acc_v") for p in params]
+    def _accumulate(self, group, params, noise, grads, first) -> None:
+        elements = self._gather(params, "element")
+        affine_accumulate(self._accumulators(params), noise, grads, elements, first)
 
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc_u = [self._scratch[p]["acc_u"] for p in params]
-        acc_v = [self._scratch[p]["acc_v"] for p in params]
-        torch._foreach_mul_(acc_v, self._scales(params))  # V̂ = A ⊙ mean ∇ℓ
-        if n > 1:
-            torch._foreach_div_(acc_u, n)
-            torch._foreach_div_(acc_v, n)
-        if group["temperature"]:
-            torch._foreach_sub_(acc_u, group["temperature"] / group["data_size"])
-        moms = [self.state[p]["momentum"] for p in params]
-        torch._foreach_lerp_(acc_u, [m[0] for m in moms], group["scale_momentum"])
-        torch._foreach_lerp_(acc_v, [m[1] for m in moms], group["momentum"])
-        return acc_u + acc_v
+        accs = self._accumulators(params)
+        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+        betas = (group["scale_momentum"], group["momentum"])
+        self._kernel(affine_propose)(accs, self._gather(params, "momentum"), n, betas, shift)
+        return accs
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        lr = group["lr"]
-        scale_lr = group["scale_lr"] * lr / group["initial_lr"]
-        u = [self._scratch[p]["acc_u"] for p in params]
-        v = [self._scratch[p]["acc_v"] for p in params]
-        moms = [self.state[p]["momentum"] for p in params]
-        torch._foreach_copy_([m[0] for m in moms], u)
-        torch._foreach_copy_([m[1] for m in moms], v)
-        A, b = self._scales(params), self._shifts(params)
-        info = torch.finfo(u[0].dtype)
-        # b ← b + α₁·W, W = A·M_V·e^{max(x,0)}·expm1(−|x|)/|x| = −A·M_V·φ(x), x = −α₁M_U,
-        # in the workspaces u (holding M_U), v (holding M_V) and y.
-        torch._foreach_mul_(u, -lr)  # x
-        y = [self._buffer(p, "xi", p.shape) for p in params]
-        torch._foreach_copy_(y, u)
-        torch._foreach_abs_(y)
-        torch._foreach_clamp_min_(y, info.tiny)  # |x|, kept away from 0
-        torch._foreach_clamp_min_(u, 0.0)
-        torch._foreach_clamp_max_(u, math.log(info.max))
-        torch._foreach_exp_(u)  # e^{max(x,0)}
-        torch._foreach_div_(u, y)
-        torch._foreach_neg_(y)
-        torch._foreach_expm1_(y)  # −(1 − e^{−|x|})
-        torch._foreach_mul_(u, y)
-        torch._foreach_mul_(u, A)
-        torch._foreach_addcmul_(b, u, v, value=lr)
-        torch._foreach_clamp_min_(b, -info.max)
-        torch._foreach_clamp_max_(b, info.max)
-        torch._foreach_copy_(v, [m[0] for m in moms])
-        torch._foreach_mul_(A, exp_step_(v, scale_lr))
-        clamp_finite_positive_(A)
-        self._write_point(group, params)
-
-    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
-        out = []
-        for p in params:
-            scratch, state = self._scratch[p], self.state[p]
-            u, v, m = scratch["acc_u"], scratch["acc_v"], state["momentum"]
-            u.copy_(torch.lerp(u / n - shift, m[0], group["scale_momentum"]))
-            v.copy_(torch.lerp(v * state["element"][0] / n, m[1], group["momentum"]))
-            out += [u, v]
-        return out
-
-    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        lr, mean = group["lr"], self._mean(group)
-        scale_lr = group["scale_lr"] * lr / group["initial_lr"]
-        for p in params:
-            scratch, state = self._scratch[p], self.state[p]
-            u, v, (A, b) = scratch["acc_u"], scratch["acc_v"], state["element"]
-            state["momentum"].copy_(torch.stack((u, v)))
-            info = torch.finfo(u.dtype)
-            x = (u * -lr).clamp(max=math.log(info.max))  # capped where e^x overflows anyway
-            b_new = (b - A * v * exprel(x) * lr).clamp(-info.max, info.max)
-            A_new = (A * torch.exp(u * -scale_lr)).clamp(info.tiny, info.max)
-            state["element"].copy_(torch.stack((A_new, b_new)))
-            p.copy_(b_new + A_new * mean if mean else b_new)
+        lr = self._rate(group)
+        self._kernel(affine_commit)(
+            self._gather(params, "element"),
+            self._gather(params, "momentum"),
+            self._accumulators(params),
+            params,
+            lr,
+            lr * group["scale_ratio"],
+            self._mean(group),
+        )
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        torch._foreach_copy_(params, self._shifts(params))
         mean = self._mean(group)
-        if mean:
-            torch._foreach_add_(params, torch._foreach_mul(self._scales(params), mean))
+        for g, p in zip(self._gather(params, "element"), params, strict=True):
+            if mean is None:
+                p.copy_(g[1])
+            else:
+                torch.add(g[1], g[0], alpha=mean, out=p)

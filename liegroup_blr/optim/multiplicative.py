@@ -1,4 +1,17 @@
-"""The multiplicative rule: positive scalings, with excitatory/inhibitory parts."""
+r"""The multiplicative rule: positive scalings, with excitatory/inhibitory parts.
+
+Each weight is :math:`\theta = g^+\xi^+ - g^-\xi^-` (``signed``) or :math:`g\xi`; elements,
+momenta, accumulators and noise of a signed parameter stack the two parts, shape (2, …).
+
+.. math::
+    \hat X^\pm = \pm\frac1S \sum_s \nabla\bar\ell_\delta(\theta_s) \odot g^\pm \xi^\pm_s
+                 - \frac{\tau}{N}, \qquad
+    M^\pm \leftarrow \beta M^\pm + (1-\beta)\hat X^\pm, \qquad
+    g^\pm \leftarrow g^\pm \odot e^{-\alpha M^\pm}.
+
+The kernels act on explicit tensor lists one tensor at a time (one fused kernel per
+parameter under ``torch.compile``).
+"""
 
 from __future__ import annotations
 
@@ -11,28 +24,81 @@ from torch.distributions import Distribution
 
 from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
-from .generic import LieGroupBLR, _number, state_dtype
+from .additive import momentum_propose
+from .base import BLROptimizer
+from .checks import check_number
+from .state import state_dtype
 
-__all__ = ["MultiplicativeBLR"]
+__all__ = [
+    "MultiplicativeBLR",
+    "multiplicative_accumulate",
+    "multiplicative_commit",
+    "multiplicative_draw",
+    "multiplicative_propose",
+]
 
-
-def clamp_finite_positive_(tensors: list[Tensor]) -> None:
-    """Clamp in place to [tiny, max] of the dtype: positive and finite for any step."""
-    if tensors:
-        info = torch.finfo(tensors[0].dtype)
-        torch._foreach_clamp_min_(tensors, info.tiny)
-        torch._foreach_clamp_max_(tensors, info.max)
-
-
-def exp_step_(workspace: list[Tensor], rate: float | Tensor) -> list[Tensor]:
-    """``workspace ← exp(−rate · workspace)`` in place. It may overflow to inf or underflow
-    to 0: multiplied into an element ≥ tiny and clamped, that is max or tiny, never NaN."""
-    torch._foreach_mul_(workspace, -rate)
-    torch._foreach_exp_(workspace)
-    return workspace
+INITS = ("reference", "keep")
 
 
-class MultiplicativeBLR(LieGroupBLR):
+def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> None:
+    """p ← w⁺ − w⁻ (or w), times E[ξ] when ``mean`` is given."""
+    if signed:
+        torch.sub(w[0], w[1], out=p)
+    else:
+        p.copy_(w)
+    if mean is not None:
+        p.mul_(mean)
+
+
+def multiplicative_draw(
+    elements: list[Tensor], noise: list[Tensor], params: list[Tensor], signed: bool
+) -> None:
+    """w = g ⊙ ξ (kept in ``noise`` for the accumulation), θ = w⁺ − w⁻."""
+    for g, w, p in zip(elements, noise, params, strict=True):
+        _readout(p, w.mul_(g), signed)
+
+
+def multiplicative_accumulate(
+    accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], first: bool
+) -> None:
+    """acc (+)= ∇ℓ̄_δ ⊙ g ⊙ ξ for both parts (the sign of the − part enters at the proposal)."""
+    for acc, w, grad in zip(accs, noise, grads, strict=True):
+        if first:
+            torch.mul(w, grad, out=acc)
+        else:
+            acc.addcmul_(w, grad)
+
+
+def multiplicative_propose(
+    accs: list[Tensor], momenta: list[Tensor], n: int, beta: float, shift: float
+) -> None:
+    """acc ← β M + (1 − β)(±acc/n − τ/N) for signed parameters (a (2, …) accumulator)."""
+    for acc, m in zip(accs, momenta, strict=True):
+        signs = torch.tensor([1.0 / n, -1.0 / n], dtype=acc.dtype, device=acc.device)
+        offset = torch.tensor(-shift, dtype=acc.dtype, device=acc.device)
+        torch.addcmul(offset, acc, signs.view(2, *[1] * (acc.ndim - 1)), out=acc)
+        acc.lerp_(m, beta)
+
+
+def multiplicative_commit(
+    elements: list[Tensor],
+    momenta: list[Tensor],
+    work: list[Tensor],
+    params: list[Tensor],
+    lr: float | Tensor,
+    signed: bool,
+    mean: float | None,
+) -> None:
+    """g ← clamp(g ⊙ e^{−α M}) to [tiny, max] of the dtype (positive and finite for any
+    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate."""
+    for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
+        info = torch.finfo(g.dtype)
+        torch.mul(m, -lr, out=ws)
+        g.mul_(ws.exp_()).clamp_(info.tiny, info.max)
+        _readout(p, g, signed, mean)
+
+
+class MultiplicativeBLR(BLROptimizer):
     r"""Lie-group BLR with the multiplicative group: excitatory/inhibitory networks.
 
     Each weight is :math:`\theta = g^+ \odot \xi^+ - g^- \odot \xi^-` with positive
@@ -47,11 +113,13 @@ class MultiplicativeBLR(LieGroupBLR):
         g^\pm \leftarrow g^\pm \odot e^{-\alpha M^\pm}.
 
     The exponential keeps :math:`g^\pm` positive for any step (and they are clamped to the
-    finite positive range of their dtype). Initialisation (reference):
+    finite positive range of their dtype). Initialisation ``init="reference"``:
     :math:`g^\pm = |w^\pm| + \text{offset}` with :math:`w^+` the parameter's value and
     :math:`w^-` an independent-looking second draw of the same initialisation, made by a
-    random permutation of its entries. The parameters hold :math:`g^+ - g^-` outside
-    :meth:`~LieGroupBLR.sampled_params` (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
+    random permutation of its entries — this rewrites the weights. ``init="keep"`` keeps
+    them (pretrained weights): :math:`g^\pm = \max(\pm\theta, 0) + \text{offset}`, so
+    :math:`g^+ - g^- = \theta`. The parameters hold :math:`g^+ - g^-` outside
+    :meth:`~BLROptimizer.sampled_params` (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
 
     Args:
         params: parameters or param groups.
@@ -64,14 +132,13 @@ class MultiplicativeBLR(LieGroupBLR):
         mc_samples: S ≥ 1.
         init_offset: offset > 0 added to :math:`|w^\pm|` at initialisation.
         signed: excitatory/inhibitory parts (default) or a single positive part.
-        **options: keyword-only optimizer-level options of :class:`LieGroupBLR`:
-            ``point_estimate`` — ``"g"`` or ``"mean"``.
-            ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-            ``process_group``.
+        init: ``"reference"`` or ``"keep"`` (see above).
+        point_estimate: ``"g"`` or ``"mean"``.
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler: as for
+            :class:`~liegroup_blr.optim.base.BLROptimizer`.
     """
 
     lie_group: MultiplicativeGroup
-    _sample_buffers = ("w",)
 
     def __init__(
         self,
@@ -86,8 +153,20 @@ class MultiplicativeBLR(LieGroupBLR):
         init_offset: float = 1e-5,
         *,
         signed: bool = True,
-        **options: Any,
+        init: str = "reference",
+        point_estimate: str = "g",
+        seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
+        compile: bool = False,
+        process_group: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        if init not in INITS:
+            raise ValueError(f"init: must be one of {INITS}, got {init!r}")
+        self.init = init
+        self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -97,102 +176,68 @@ class MultiplicativeBLR(LieGroupBLR):
             prior_precision=prior_precision,
             init_offset=init_offset,
         )
-        group = MultiplicativeGroup(signed=signed)
-        self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
-        self._construct(params, group, defaults, mc_samples, **options)
+        super().__init__(
+            params,
+            defaults,
+            MultiplicativeGroup(signed=signed),
+            mc_samples=mc_samples,
+            point_estimate=point_estimate,
+            seed=seed,
+            noise=noise,
+            antithetic=antithetic,
+            table_size=table_size,
+            compile=compile,
+            process_group=process_group,
+            grad_scaler=grad_scaler,
+        )
 
-    def _check_hyperparameters(self, hp: dict[str, Any]) -> None:
-        super()._check_hyperparameters(hp)
-        _number(hp, "init_offset", 0.0, closed=False)
+    def _validate(self, hp: dict[str, Any]) -> None:
+        super()._validate(hp)
+        check_number(hp, "init_offset", 0.0, closed=False)
 
-    def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
-        w = p.detach().to(state_dtype(p))
-        if self.lie_group.signed:
-            if self._permutations is None:
-                self._permutations = torch.Generator().manual_seed(self.seed + 1)
-            perm = torch.randperm(w.numel(), generator=self._permutations)
-            w = torch.stack((w, w.flatten()[perm.to(w.device)].view_as(w)))
-        self.state[p] = {
-            "element": w.abs() + group["init_offset"],
-            "momentum": torch.zeros_like(w),
-        }
-
-    # Views of the two parts: index 0 is g⁺ (or g), index 1 is g⁻.
-    def _parts(self, tensors: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        if not self.lie_group.signed:
-            return tensors, []
-        return [t[0] for t in tensors], [t[1] for t in tensors]
-
-    def _readout_into(self, params: list[Tensor], tensors: list[Tensor]) -> None:
-        """params ← t⁺ − t⁻ (or t when unsigned)."""
-        plus, minus = self._parts(tensors)
-        if not minus:
-            torch._foreach_copy_(params, plus)
-        elif params[0].dtype == plus[0].dtype:
-            torch._foreach_copy_(params, plus)
-            torch._foreach_sub_(params, minus)
+    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        w = p.detach().to(state_dtype(p), copy=True)
+        signed, offset = self.lie_group.signed, group["init_offset"]
+        if self.init == "keep":
+            g = self.lie_group.from_point(w, offset) if signed else w.abs() + offset
         else:
-            torch._foreach_copy_(params, torch._foreach_sub(plus, minus))
+            if signed:
+                if self._permutations is None:
+                    self._permutations = torch.Generator().manual_seed(self.seed + 1)
+                perm = torch.randperm(w.numel(), generator=self._permutations).to(w.device)
+                w = torch.stack((w, w.flatten()[perm].view_as(w)))
+            g = w.abs() + offset
+        return {"element": g, "momentum": torch.zeros_like(g)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], train: bool) -> None:
-        shape = self.lie_group.base_shape
-        w = [self._buffer(p, "w", shape(p.shape)) for p in params]
-        self._noise_into(group, params, w)
-        torch._foreach_mul_(w, [self.state[p]["element"] for p in params])  # w = g ⊙ ξ
-        self._readout_into(params, w)
+    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
+        multiplicative_draw(self._gather(params, "element"), noise, params, self.lie_group.signed)
 
-    def _accumulate(self, group: dict[str, Any], params: list[Tensor], first: bool) -> None:
-        grads = self._loss_gradients(group, params)
-        w = [self._scratch[p]["w"] for p in params]
-        for part in self._parts(w):
-            if part:
-                torch._foreach_mul_(part, grads)  # ∇ℓ ⊙ g ⊙ ξ, sign applied in _propose
-        if first:  # this sample's buffer becomes the accumulator
-            self._rename(params, "w", "acc")
-        else:
-            torch._foreach_add_(self._accumulators(params), w)
+    def _accumulate(self, group, params, noise, grads, first) -> None:
+        multiplicative_accumulate(self._accumulators(params), noise, grads, first)
 
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc = self._accumulators(params)
-        plus, minus = self._parts(acc)
-        if n > 1:
-            torch._foreach_div_(plus, n)
-        if minus:
-            torch._foreach_div_(minus, -n)
-        if group["temperature"]:
-            torch._foreach_sub_(acc, group["temperature"] / group["data_size"])
-        torch._foreach_lerp_(acc, [self.state[p]["momentum"] for p in params], group["momentum"])
-        return acc
+        accs, momenta = self._accumulators(params), self._gather(params, "momentum")
+        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+        if self.lie_group.signed:
+            self._kernel(multiplicative_propose)(accs, momenta, n, group["momentum"], shift)
+        else:  # X̂ = acc/n − τ/N
+            if shift:
+                torch._foreach_sub_(accs, shift * n)
+            self._kernel(momentum_propose)(accs, momenta, n, group["momentum"])
+        return accs
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        acc = self._accumulators(params)
-        torch._foreach_copy_([self.state[p]["momentum"] for p in params], acc)
-        elements = [self.state[p]["element"] for p in params]
-        torch._foreach_mul_(elements, exp_step_(acc, group["lr"]))
-        clamp_finite_positive_(elements)
-        self._write_point(group, params)
-
-    def _fused_propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        acc = self._accumulators(params)
-        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
-        for a, p in zip(acc, params, strict=True):
-            scale: float | Tensor = 1.0 / n
-            if self.lie_group.signed:  # X̂⁺ = acc⁺/n − τ/N, X̂⁻ = −acc⁻/n − τ/N
-                signs = torch.tensor([1.0, -1.0], dtype=a.dtype).view(2, *[1] * (a.ndim - 1))
-                scale = signs / n
-            a.copy_(torch.lerp(a * scale - shift, self.state[p]["momentum"], group["momentum"]))
-        return acc
-
-    def _fused_commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        mean = self._mean(group) or 1.0
-        for a, p in zip(self._accumulators(params), params, strict=True):
-            state, info = self.state[p], torch.finfo(a.dtype)
-            state["momentum"].copy_(a)
-            g = (state["element"] * torch.exp(a * -group["lr"])).clamp(info.tiny, info.max)
-            state["element"].copy_(g)
-            p.copy_(((g[0] - g[1]) if self.lie_group.signed else g) * mean)
+        self._kernel(multiplicative_commit)(
+            self._gather(params, "element"),
+            self._gather(params, "momentum"),
+            self._accumulators(params),
+            params,
+            self._rate(group),
+            self.lie_group.signed,
+            self._mean(group),
+        )
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        self._readout_into(params, [self.state[p]["element"] for p in params])
-        if self.point_estimate == "mean":
-            torch._foreach_mul_(params, self._mean(group))
+        mean, signed = self._mean(group), self.lie_group.signed
+        for g, p in zip(self._gather(params, "element"), params, strict=True):
+            _readout(p, g, signed, mean)

@@ -1,0 +1,418 @@
+r"""The sampling engine every Lie-group rule shares.
+
+One step of every rule is the same loop; only four pieces of arithmetic differ per rule::
+
+    for s in 1..S:                      draw():       ξ_s ~ q0 (noise.NoiseSource), θ_s = g·ξ_s
+        closure()                                     forward + backward at θ_s
+        accumulate(sample)                            acc += ∇_X ℓ̄(θ_s(X))|_{X=0}
+    propose  M' = β M + (1 − β) P(acc/S − (τ/N)∇_X H)   (in the accumulator, in place)
+    if M' is finite:  commit  M ← M',  g ← g·exp(−α M'),  θ ← point estimate
+    else:             skip (state unchanged, RuntimeWarning)
+
+:class:`BLROptimizer` owns the loop, :meth:`~BLROptimizer.sampled_params`, the skip on
+non-finite values, the state dict (with the noise generators), gradient unscaling for
+``torch.amp.GradScaler`` and the all-reduce over processes. A rule subclass supplies
+``_new_state`` (the initial element), ``_draw``, ``_accumulate``, ``_propose``, ``_commit``
+and ``_write_point``; each gathers tensor lists and calls its module's kernel functions.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..groups import LieGroup
+from ..noise import NoiseSource
+from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
+from .state import GroupStateOptimizer, state_dtype
+
+__all__ = ["BLROptimizer", "Sample", "all_finite", "state_dtype"]
+
+_POINT_ESTIMATES = ("g", "mean")
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one host sync)."""
+    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    return not extremes or bool(torch.stack(extremes).isfinite().all())
+
+
+def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(kernel, fullgraph=True)``, made once per kernel and shared."""
+    if kernel not in _COMPILED:
+        _COMPILED[kernel] = torch.compile(kernel, fullgraph=True)
+    return _COMPILED[kernel]
+
+
+@dataclass
+class Sample:
+    """One posterior sample, as :meth:`BLROptimizer.draw` made it.
+
+    Attributes:
+        params: the sampled parameters (every trained parameter of every param group).
+        theta: their sampled values θ = readout(g·ξ) (after ``draw``, the parameters themselves).
+        noise: per parameter, what the rule keeps of the draw to accumulate it (ξ, or g·ξ).
+    """
+
+    params: list[Tensor]
+    theta: list[Tensor]
+    noise: list[Tensor]
+
+    def clone(self) -> Sample:
+        """Copies of ``theta`` and ``noise``, to accumulate after further draws."""
+        return Sample(
+            self.params, [t.detach().clone() for t in self.theta], [n.clone() for n in self.noise]
+        )
+
+
+class BLROptimizer(GroupStateOptimizer):
+    r"""Base class of the Lie-group rules: the Monte-Carlo loop and everything rules share.
+
+    Each trained parameter θ is the readout of :math:`g \cdot \xi`, :math:`\xi \sim q_0`, with
+    its own group element g; outside :meth:`sampled_params` it holds the point estimate.
+
+    Sample protocol (what :func:`~liegroup_blr.mc.mc_step` and custom loops use):
+    :meth:`draw` writes a sample into the parameters and returns a :class:`Sample`;
+    :meth:`accumulate` adds that sample's algebra gradient (from ``p.grad`` or given
+    gradients) to the pending step; :meth:`restore` writes the point estimates back;
+    :attr:`pending_samples` counts what :meth:`step` (without a closure) will average.
+
+    Args:
+        params: parameters or param groups.
+        defaults: per-group hyperparameters (``lr``, ``momentum``, ``base``, ``data_size``,
+            ``temperature``, ``prior_precision`` and the rule's own).
+        group: the Lie group.
+        mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
+        point_estimate: ``"g"`` (read at ξ₀ of the group) or ``"mean"`` (at E[ξ]).
+        seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
+            so ``torch.manual_seed`` makes runs reproducible).
+        noise: ``"fresh"`` draws or ``"table"`` (:class:`~liegroup_blr.noise.NoiseTable`).
+        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).
+        table_size: values in each noise table.
+        compile: run the update kernels through ``torch.compile`` (lr enters as a tensor, so
+            schedules do not recompile).
+        process_group: a ``torch.distributed`` group: every process draws its own noise, the
+            algebra-gradient accumulators and sample counts are summed before the update.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scaled backward passes the samples
+            use; each sample's gradients are unscaled before they are accumulated.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see _found_inf
+    lie_group: LieGroup
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        group: LieGroup,
+        *,
+        mc_samples: int = 1,
+        point_estimate: str = "g",
+        seed: int | None = None,
+        noise: str = "fresh",
+        antithetic: bool = False,
+        table_size: int | None = None,
+        compile: bool = False,
+        process_group: Any = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        if not isinstance(group, LieGroup):
+            raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples: must be an integer ≥ 1, got {mc_samples!r}")
+        if point_estimate not in _POINT_ESTIMATES:
+            raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        self.lie_group = group
+        self.mc_samples = mc_samples
+        self.point_estimate = point_estimate
+        self.compile = bool(compile)
+        self.process_group = process_group
+        self.grad_scaler = grad_scaler
+        rank = 0 if process_group is None else dist.get_rank(process_group)
+        self.noise_source = NoiseSource(
+            noise,
+            shared_seed(seed, process_group),
+            rank=rank,
+            antithetic=antithetic,
+            table_size=table_size,
+        )
+        self.skipped_steps = 0
+        self._scratch: dict[Tensor, dict[str, Tensor]] = {}
+        self._pending: dict[Tensor, None] = {}  # parameters with accumulated samples
+        self._samples = 0
+        self._sampling = False
+        super().__init__(params, defaults)
+        if process_group is not None:
+            self._broadcast_state()
+
+    # ------------------------------------------------------------ the rule's part
+    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
+        """``params ← readout(g·ξ)`` with ξ in ``noise`` (which the rule may overwrite with
+        what its accumulation needs)."""
+        raise NotImplementedError
+
+    def _accumulate(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        noise: list[Tensor],
+        grads: list[Tensor],
+        first: bool,
+    ) -> None:
+        """Add one sample's algebra gradient to the accumulators ``self._scratch[p]["acc"]``
+        (``first``: overwrite them)."""
+        raise NotImplementedError
+
+    def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor] | None:
+        """Turn the accumulators (n samples) into the new momenta, in place; return the
+        tensors that must be finite for the step to go on (``None``: reject the step)."""
+        raise NotImplementedError
+
+    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """Move the elements along the new momenta (``state["momentum"]``; the accumulators
+        now hold the old momenta and are free) and write the point estimates."""
+        raise NotImplementedError
+
+    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
+        return [self._scratch[p]["acc"] for p in params]
+
+    def _kernel(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
+        """``kernel``, compiled under ``compile=True``."""
+        return compiled(kernel) if self.compile else kernel
+
+    def _rate(self, group: dict[str, Any], key: str = "lr") -> float | Tensor:
+        """A step size of ``group``: a 0-d tensor under ``compile`` (no recompiles)."""
+        if not self.compile:
+            return group[key]
+        return torch.tensor(float(group[key]), device=group["params"][0].device)
+
+    def _mean(self, group: dict[str, Any]) -> float | None:
+        """E[ξ] under ``point_estimate="mean"``, else ``None``."""
+        return float(group["base"].mean) if self.point_estimate == "mean" else None
+
+    # --------------------------------------------------------- sample protocol
+    @property
+    def pending_samples(self) -> int:
+        """Samples accumulated since the last update."""
+        return self._samples
+
+    @torch.no_grad()
+    def draw(self, train: bool = True) -> Sample:
+        """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
+
+        With ``train=True`` the sample is one of the next step's (antithetic pairing counts
+        it); pass the result to :meth:`accumulate` once its gradients are known.
+        """
+        self.noise_source.start_sample(train)
+        sampled: list[Tensor] = []
+        noise: list[Tensor] = []
+        for index, group in enumerate(self.param_groups):
+            params = self._active(group)
+            if not params:
+                continue
+            self._ensure_state(group, params)
+            G = self._group_of(group)
+            bufs = [self._buffer(p, "noise", G.base_shape(p.shape)) for p in params]
+            self.noise_source.fill_(bufs, group["base"], params, index)
+            self._draw(group, params, bufs)
+            sampled += params
+            noise += bufs
+        return Sample(sampled, sampled, noise)
+
+    @torch.no_grad()
+    def accumulate(self, sample: Sample, grads: list[Tensor | None] | None = None) -> None:
+        """Add ``sample``'s algebra gradient to the pending step.
+
+        Args:
+            sample: from :meth:`draw` (or its :meth:`Sample.clone`).
+            grads: ∇ℓ̄ at the sample per parameter of ``sample.params`` (default: each
+                ``p.grad``); parameters with no gradient are left out of this sample.
+        """
+        grads = [p.grad for p in sample.params] if grads is None else grads
+        at = {p: i for i, p in enumerate(sample.params)}
+        inv_scale = self._inverse_loss_scale()
+        for group in self.param_groups:
+            idx = [at[p] for p in self._active(group) if p in at and grads[at[p]] is not None]
+            if not idx:
+                continue
+            G = self._group_of(group)
+            for first in (True, False):
+                part = [i for i in idx if (sample.params[i] not in self._pending) == first]
+                if not part:
+                    continue
+                params = [sample.params[i] for i in part]
+                for p in params:
+                    self._buffer(p, "acc", G.algebra_shape(p.shape))
+                total = self._loss_gradients(
+                    group,
+                    params,
+                    [grads[i] for i in part],  # type: ignore[misc]
+                    [sample.theta[i] for i in part],
+                    inv_scale,
+                )
+                self._accumulate(group, params, [sample.noise[i] for i in part], total, first)
+            self._pending.update(dict.fromkeys(sample.params[i] for i in idx))
+        self._samples += 1
+
+    def _loss_gradients(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        theta: list[Tensor],
+        inv_scale: float,
+    ) -> list[Tensor]:
+        r""":math:`\nabla\bar\ell_\delta = \nabla\bar\ell + \frac{\delta}{N}\theta` at the
+        sample (the loss gradient unscaled by ``1/s`` of a GradScaler); ``p.grad`` itself
+        when nothing is added, never written to."""
+        decay = group["prior_precision"] / group["data_size"] if group["prior_precision"] else 0
+        if not decay and inv_scale == 1.0:
+            return grads
+        out = [self._buffer(p, "grad", p.shape) for p in params]
+        torch._foreach_copy_(out, grads)
+        if inv_scale != 1.0:
+            torch._foreach_mul_(out, inv_scale)
+        if decay:
+            torch._foreach_add_(out, theta, alpha=decay)
+        return out
+
+    def _discard(self) -> None:
+        """Forget the pending samples (the step is abandoned)."""
+        self._pending.clear()
+        self._samples = 0
+        self.noise_source.end_step()
+
+    @contextmanager
+    def sampled_params(self, train: bool = False) -> Iterator[None]:
+        """Hold one posterior sample θ = readout(g·ξ) in the parameters for the block.
+
+        With ``train=True`` the gradients the block leaves in ``p.grad`` are accumulated as one
+        Monte-Carlo sample of the next :meth:`step` (call ``zero_grad`` inside each block). On
+        exit, also on error, the parameters return to the point estimate.
+        """
+        if self._sampling:
+            raise RuntimeError("sampled_params blocks cannot be nested")
+        self._sampling = True
+        try:
+            sample = self.draw(train)
+            yield
+            if train:
+                self.accumulate(sample)
+        finally:
+            self._sampling = False
+            self.restore()
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every group element.
+
+        Args:
+            closure: zeroes the gradients, evaluates the loss ℓ̄, calls ``backward`` and
+                returns the loss (or ``None``); called ``mc_samples`` times, each at a fresh
+                sample θ. Without a closure, the samples accumulated by
+                ``sampled_params(train=True)`` blocks (or :meth:`accumulate`) are used.
+
+        Returns:
+            the mean closure loss over samples (``None`` without a closure or when the
+            closure returns ``None``).
+
+        A non-finite loss or algebra gradient skips the update with a ``RuntimeWarning``:
+        group elements and momenta are left exactly as they were (``skipped_steps`` counts).
+        An exception in the closure abandons the step: nothing is accumulated and the
+        parameters hold the point estimate again.
+        """
+        if self._sampling:
+            raise RuntimeError("step() cannot be called inside sampled_params()")
+        loss = None
+        if closure is not None:
+            losses = []
+            try:
+                for _ in range(self.mc_samples):
+                    sample = self.draw(train=True)
+                    with torch.enable_grad():
+                        value = closure()
+                    self.accumulate(sample)
+                    losses.append(value.detach() if isinstance(value, Tensor) else value)
+            except BaseException:
+                self._discard()
+                self.restore()
+                raise
+            if all(v is not None for v in losses):
+                loss = sum(losses) / len(losses)
+        elif self._samples == 0:
+            raise RuntimeError(
+                "step() without a closure needs gradients from at least one "
+                "`with optimizer.sampled_params(train=True):` block"
+            )
+        finite = loss is None or bool(torch.isfinite(torch.as_tensor(loss)).all())
+        self._update(finite and not self._found_inf())
+        return loss
+
+    def _update(self, finite: bool) -> None:
+        n = self._samples
+        work = [(g, [p for p in self._active(g) if p in self._pending]) for g in self.param_groups]
+        work = [(g, params) for g, params in work if params]
+        if self.process_group is not None:
+            accumulators = [a for _, params in work for a in self._accumulators(params)]
+            n, finite = all_reduce_accumulators(accumulators, n, finite, self.process_group)
+        proposals: list[Tensor] = []
+        for group, params in work if finite else []:
+            proposed = self._propose(group, params, n)
+            if proposed is None:
+                finite = False
+                break
+            proposals += proposed
+        moved: set[Tensor] = set()
+        if finite and all_finite(proposals):
+            for group, params in work:
+                for p in params:  # the proposal becomes the momentum; the old one, scratch
+                    state, scratch = self.state[p], self._scratch[p]
+                    state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
+                self._commit(group, params)
+                moved.update(params)
+        elif work:
+            self.skipped_steps += 1
+            warnings.warn(
+                f"{type(self).__name__}: non-finite loss or gradient; step skipped, "
+                "optimizer state unchanged",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._discard()
+        for group in self.param_groups:  # the rest may still hold a sample
+            rest = [p for p in self._active(group) if p not in moved and p in self.state]
+            if rest:
+                self._write_point(group, rest)
+
+    # ------------------------------------------------------------------ AMP
+    def _inverse_loss_scale(self) -> float:
+        scaler = self.grad_scaler
+        return 1.0 / scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
+    def _found_inf(self) -> bool:
+        """Whether ``GradScaler.step(optimizer)`` found inf/NaN gradients (it sets
+        ``grad_scale`` and ``found_inf`` before calling :meth:`step`)."""
+        scale = self.__dict__.get("grad_scale")
+        if scale is not None and self.grad_scaler is None:
+            raise RuntimeError(
+                "GradScaler.step(optimizer): pass grad_scaler=scaler to the optimizer so each "
+                "sample's gradients are unscaled before they are accumulated"
+            )
+        found = self.__dict__.get("found_inf")
+        return found is not None and bool(found.item())
+
+    # ------------------------------------------------------------ distribution
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        """Give every process rank 0's initial elements (and parameters)."""
+        broadcast_elements([s["element"] for s in self.state.values()], self.process_group)
+        self.restore()
