@@ -86,8 +86,8 @@ class AdditiveBLR(BLROptimizer):
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler: as for
-            :class:`~liegroup_blr.optim.base.BLROptimizer`.
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
+        max_consecutive_skips: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
     """
 
     def __init__(
@@ -109,6 +109,7 @@ class AdditiveBLR(BLROptimizer):
         compile: bool = False,
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -131,6 +132,7 @@ class AdditiveBLR(BLROptimizer):
             compile=compile,
             process_group=process_group,
             grad_scaler=grad_scaler,
+            max_consecutive_skips=max_consecutive_skips,
         )
 
     def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:

@@ -139,8 +139,8 @@ class AffineBLR(BLROptimizer):
         mc_samples: S ≥ 1.
         init_scale: initial A > 0.
         point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler: as for
-            :class:`~liegroup_blr.optim.base.BLROptimizer`.
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
+        max_consecutive_skips: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
     """
 
     lie_group: DiagonalAffineGroup
@@ -167,6 +167,7 @@ class AffineBLR(BLROptimizer):
         compile: bool = False,
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -192,6 +193,7 @@ class AffineBLR(BLROptimizer):
             compile=compile,
             process_group=process_group,
             grad_scaler=grad_scaler,
+            max_consecutive_skips=max_consecutive_skips,
         )
 
     def _validate(self, hp: dict[str, Any]) -> None:

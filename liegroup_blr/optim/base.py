@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
+from .amp import inverse_scale, record_finite
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
 from .state import GroupStateOptimizer, state_dtype
 
@@ -102,7 +103,10 @@ class BLROptimizer(GroupStateOptimizer):
         process_group: a ``torch.distributed`` group: every process draws its own noise, the
             algebra-gradient accumulators and sample counts are summed before the update.
         grad_scaler: a ``torch.amp.GradScaler`` whose scaled backward passes the samples
-            use; each sample's gradients are unscaled before they are accumulated.
+            use: each sample's gradients are unscaled before they are accumulated, and each
+            step's inf check is recorded for ``scaler.update()``.
+        max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
+            skipped steps (default: never; every skip warns).
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see _found_inf
@@ -123,6 +127,7 @@ class BLROptimizer(GroupStateOptimizer):
         compile: bool = False,
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
@@ -144,7 +149,15 @@ class BLROptimizer(GroupStateOptimizer):
             antithetic=antithetic,
             table_size=table_size,
         )
+        if max_consecutive_skips is not None and (
+            isinstance(max_consecutive_skips, bool) or max_consecutive_skips < 1
+        ):
+            raise ValueError(
+                f"max_consecutive_skips: must be a positive integer, got {max_consecutive_skips!r}"
+            )
+        self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
+        self._consecutive_skips = 0
         self._scratch: dict[Tensor, dict[str, Tensor]] = {}
         self._pending: dict[Tensor, None] = {}  # parameters with accumulated samples
         self._samples = 0
@@ -238,7 +251,7 @@ class BLROptimizer(GroupStateOptimizer):
         """
         grads = [p.grad for p in sample.params] if grads is None else grads
         at = {p: i for i, p in enumerate(sample.params)}
-        inv_scale = self._inverse_loss_scale()
+        inv_scale = inverse_scale(self.grad_scaler)
         for group in self.param_groups:
             idx = [at[p] for p in self._active(group) if p in at and grads[at[p]] is not None]
             if not idx:
@@ -380,29 +393,39 @@ class BLROptimizer(GroupStateOptimizer):
                 self._commit(group, params)
                 moved.update(params)
         elif work:
-            self.skipped_steps += 1
-            warnings.warn(
-                f"{type(self).__name__}: non-finite loss or gradient; step skipped, "
-                "optimizer state unchanged",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self._skip()
+        if moved:
+            self._consecutive_skips = 0
+        record_finite(self.grad_scaler, bool(moved) or not work)
         self._discard()
         for group in self.param_groups:  # the rest may still hold a sample
             rest = [p for p in self._active(group) if p not in moved and p in self.state]
             if rest:
                 self._write_point(group, rest)
 
-    # ------------------------------------------------------------------ AMP
-    def _inverse_loss_scale(self) -> float:
-        scaler = self.grad_scaler
-        return 1.0 / scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+    def _skip(self) -> None:
+        """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
+        ``max_consecutive_skips`` in a row."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        row = self._consecutive_skips
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            warnings.warn(
+                f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
+                f"optimizer state unchanged ({row} in a row, {self.skipped_steps} in all)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if self.max_consecutive_skips is not None and row >= self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "
+                "(max_consecutive_skips): the run has diverged; lower the learning rate"
+            )
 
     def _found_inf(self) -> bool:
         """Whether ``GradScaler.step(optimizer)`` found inf/NaN gradients (it sets
         ``grad_scale`` and ``found_inf`` before calling :meth:`step`)."""
-        scale = self.__dict__.get("grad_scale")
-        if scale is not None and self.grad_scaler is None:
+        if self.__dict__.get("grad_scale") is not None and self.grad_scaler is None:
             raise RuntimeError(
                 "GradScaler.step(optimizer): pass grad_scaler=scaler to the optimizer so each "
                 "sample's gradients are unscaled before they are accumulated"

@@ -18,7 +18,7 @@ def check_number(hp: dict[str, Any], key: str, low: float, high: float = math.in
     """Check low ≤ hp[key] < high (low < ... when not closed); ValueError naming ``key``."""
     value = hp[key]
     if isinstance(value, Tensor):
-        raise ValueError(f"{key}: as a Tensor is not supported, give a number")
+        raise ValueError(f"{key}: {key} as a Tensor is not supported, give a float")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key}: expected a number, got {value!r}")
     ok = (low <= value if closed else low < value) and value < high

@@ -127,7 +127,8 @@ class LieGroupBLR(BLROptimizer):
         init: callable ``θ -> g`` giving each parameter's initial element
             (default ``group.from_point``); it must return a valid element.
         point_estimate, seed, noise, antithetic, table_size, compile, process_group,
-        grad_scaler: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
+        grad_scaler, max_consecutive_skips: as for
+            :class:`~liegroup_blr.optim.base.BLROptimizer`.
 
     Raises:
         ValueError: naming the argument, for any invalid hyperparameter.
@@ -155,6 +156,7 @@ class LieGroupBLR(BLROptimizer):
         compile: bool = False,
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         self.init = init
         self.preconditioner = preconditioner
@@ -180,6 +182,7 @@ class LieGroupBLR(BLROptimizer):
             compile=compile,
             process_group=process_group,
             grad_scaler=grad_scaler,
+            max_consecutive_skips=max_consecutive_skips,
         )
 
     # ----------------------------------------------------------- validation

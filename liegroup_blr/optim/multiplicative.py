@@ -134,8 +134,8 @@ class MultiplicativeBLR(BLROptimizer):
         signed: excitatory/inhibitory parts (default) or a single positive part.
         init: ``"reference"`` or ``"keep"`` (see above).
         point_estimate: ``"g"`` or ``"mean"``.
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler: as for
-            :class:`~liegroup_blr.optim.base.BLROptimizer`.
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
+        max_consecutive_skips: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
     """
 
     lie_group: MultiplicativeGroup
@@ -162,6 +162,7 @@ class MultiplicativeBLR(BLROptimizer):
         compile: bool = False,
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        max_consecutive_skips: int | None = None,
     ) -> None:
         if init not in INITS:
             raise ValueError(f"init: must be one of {INITS}, got {init!r}")
@@ -189,6 +190,7 @@ class MultiplicativeBLR(BLROptimizer):
             compile=compile,
             process_group=process_group,
             grad_scaler=grad_scaler,
+            max_consecutive_skips=max_consecutive_skips,
         )
 
     def _validate(self, hp: dict[str, Any]) -> None:
