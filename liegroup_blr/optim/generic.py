@@ -48,15 +48,10 @@ def generic_accumulate(
     elements: list[Tensor],
     noise: list[Tensor],
     grads: list[Tensor],
-    first: bool,
 ) -> None:
-    """acc (+)= ∇_X ℓ̄_δ(readout((g exp X)·ξ))|_{X=0} (a vector-Jacobian product)."""
+    """acc += ∇_X ℓ̄_δ(readout((g exp X)·ξ))|_{X=0} (a vector-Jacobian product)."""
     for acc, g, xi, grad in zip(accs, elements, noise, grads, strict=True):
-        X = algebra_gradient(G, g, xi, grad)
-        if first:
-            acc.copy_(X)
-        else:
-            acc.add_(X)
+        acc.add_(algebra_gradient(G, g, xi, grad))
 
 
 def generic_propose(
@@ -193,8 +188,15 @@ class LieGroupBLR(BLROptimizer):
         super()._validate(hp)
         check_preconditioner(self.preconditioner, G)
 
+    groups_per_param_group = True
+
     def _group_of(self, group: dict[str, Any]) -> LieGroup:
         return group.get("group", self.lie_group)
+
+    def _describe(self, group: dict[str, Any]) -> str:
+        spec = self.preconditioner
+        kind = getattr(spec, "__qualname__", None) if callable(spec) else spec
+        return f"{super()._describe(group)}, preconditioner={kind!r}"
 
     # ------------------------------------------------------------ the rule
     def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
@@ -209,12 +211,15 @@ class LieGroupBLR(BLROptimizer):
         return {"element": element, "momentum": theta.new_zeros(G.algebra_shape(p.shape))}
 
     def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
-        generic_draw(self._group_of(group), self._gather(params, "element"), noise, params)
+        elements = self._gather(params, "element")
+        self._kernel(generic_draw)(self._group_of(group), elements, noise, params)
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
         elements = self._gather(params, "element")
         G, accs = self._group_of(group), self._accumulators(params)
-        generic_accumulate(G, accs, elements, noise, grads, first)
+        if first:
+            torch._foreach_zero_(accs)
+        self._kernel(generic_accumulate)(G, accs, elements, noise, grads)
 
     def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor] | None:
         G = self._group_of(group)

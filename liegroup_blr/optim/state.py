@@ -41,6 +41,8 @@ class GroupStateOptimizer(Optimizer):
     skipped_steps: int
     _scratch: dict[Tensor, dict[str, Tensor]]  # per parameter: reusable buffers of a step
     _pending: dict[Tensor, None]  # parameters with accumulated samples
+    groups_per_param_group = False
+    """Whether a param group may set its own Lie group (key ``"group"``)."""
     _samples = 0  # pending Monte-Carlo samples (none: the state is between steps)
     _sampling = False
 
@@ -75,6 +77,11 @@ class GroupStateOptimizer(Optimizer):
     # ----------------------------------------------------------- param groups
     def _validate(self, hp: dict[str, Any]) -> None:
         """Raise ValueError naming the first invalid hyperparameter of a param group."""
+        if "group" in hp and not self.groups_per_param_group:
+            raise ValueError(
+                f"group: {type(self).__name__} has a fixed Lie group; use "
+                "liegroup_blr.LieGroupBLR for a Lie group per param group"
+            )
         check_hyperparameters(
             hp,
             hp.get("group", self.lie_group),
@@ -136,6 +143,11 @@ class GroupStateOptimizer(Optimizer):
         state["element"].copy_(element)
         self._write_point(group, [p])
 
+    def _describe(self, group: dict[str, Any]) -> str:
+        """What a param group's state means: the rule and its Lie group."""
+        G = self._group_of(group)
+        return f"{type(self).__name__}, {type(G).__name__}({G.extra_repr()})"
+
     def _param_group(self, p: Tensor) -> dict[str, Any]:
         for group in self.param_groups:
             if any(q is p for q in group["params"]):
@@ -158,9 +170,10 @@ class GroupStateOptimizer(Optimizer):
         if self._sampling or self._samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
         sd = super().state_dict()
-        for group in sd["param_groups"]:
+        for group, live in zip(sd["param_groups"], self.param_groups, strict=True):
             group.pop("base", None)
             group.pop("group", None)
+            group["rule"] = self._describe(live)
         noise = self.noise_source.state_dict()
         sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
         sd["skipped_steps"] = self.skipped_steps
@@ -177,6 +190,17 @@ class GroupStateOptimizer(Optimizer):
             if result is not None:
                 state_dict = result
         extras = {k: state_dict.pop(k) for k in ("rng", "seed", "skipped_steps") if k in state_dict}
+        for i, (saved_group, live) in enumerate(
+            zip(state_dict["param_groups"], self.param_groups, strict=False)
+        ):
+            if saved_group.get("rule", self._describe(live)) != self._describe(live):
+                raise ValueError(
+                    f"state_dict: param group {i} was saved by {saved_group['rule']!r}, "
+                    f"this optimizer's is {self._describe(live)!r}"
+                )
+        state_dict["param_groups"] = [
+            {k: v for k, v in g.items() if k != "rule"} for g in state_dict["param_groups"]
+        ]
         kept: list[dict[str, Any]] = [
             {k: g[k] for k in ("base", "group") if k in g} for g in self.param_groups
         ]
