@@ -119,7 +119,9 @@ def test_affine_commit_with_two_step_sizes_is_the_documented_update():
     mom = 0.3 * _randn(2, *SHAPE, gen=gen)
     g = torch.stack((A, b))
     a1, a2 = 0.7, 0.05
-    affine_commit([g], [mom], [torch.empty_like(g)], [torch.empty(SHAPE, dtype=DTYPE)], a1, a2, None)
+    affine_commit(
+        [g], [mom], [torch.empty_like(g)], [torch.empty(SHAPE, dtype=DTYPE)], a1, a2, None
+    )
     u, v = mom
     torch.testing.assert_close(g[1], b + A * v * torch.expm1(-a1 * u) / u)
     torch.testing.assert_close(g[0], A * torch.exp(-a2 * u))
