@@ -92,7 +92,7 @@ class NoiseTable:
 class NoiseSource:
     r"""The noise of one optimizer: generators, tables, seeding and antithetic pairing.
 
-    Draws are made per param group with :meth:`fill_`; a sample over all groups is opened by
+    Draws are made per param group with :meth:`sample`; a sample over all groups is opened by
     :meth:`start_sample`. With ``antithetic=True`` consecutive training samples of a step form
     pairs (ξ, 2c − ξ); :meth:`end_step` starts the next step with a fresh pair.
 
@@ -156,33 +156,37 @@ class NoiseSource:
         """The next training sample opens a new antithetic pair."""
         self._reflect_next = False
 
-    def fill_(self, outs: list[Tensor], base: Distribution, keys: list[Tensor], index: int) -> None:
-        """Fill ``outs`` with this sample's ξ for param group ``index`` (``keys``: its
-        parameters): fresh, from the table, or the reflection 2c − ξ of the pair's first."""
+    def sample(
+        self, outs: list[Tensor], base: Distribution, keys: list[Tensor], index: int
+    ) -> list[Tensor]:
+        """This sample's ξ for param group ``index`` (``keys``: its parameters), one tensor
+        of each ``outs`` shape: a read-only window of the noise table (no copy), or ``outs``
+        filled with fresh draws or, for the second of an antithetic pair, 2c − ξ."""
         if not outs:
-            return
+            return []
         if self._reflect:
-            kept = [self._kept[k] for k in keys]
-            torch._foreach_copy_(outs, kept)
+            torch._foreach_copy_(outs, [self._kept[k] for k in keys])
             torch._foreach_mul_(outs, -1.0)
             centre = symmetric_centre(base)
             if centre:
                 torch._foreach_add_(outs, 2 * centre)
-            return
+            return outs
         if self.kind == "table":
             largest = 2 * max(k.numel() for k in keys)  # 2: signed parts
             offsets = torch.randint(0, 2**62, (len(outs),), generator=self.generator(_CPU))
-            for out, offset in zip(outs, offsets.tolist(), strict=True):
-                self.table(base, index, out, largest).fill_(out, offset)
+            xis = [
+                self.table(base, index, out, largest).window(out.numel(), offset).view(out.shape)
+                for out, offset in zip(outs, offsets.tolist(), strict=True)
+            ]
         else:
-            for out in outs:
-                sample_into(base, out, self.generator(out.device))
+            xis = [sample_into(base, out, self.generator(out.device)) for out in outs]
         if self._keep:
-            for k, out in zip(keys, outs, strict=True):
+            for k, xi in zip(keys, xis, strict=True):
                 first = self._kept.get(k)
-                if first is None or first.shape != out.shape or first.dtype != out.dtype:
-                    first = self._kept[k] = torch.empty_like(out)
-                first.copy_(out)
+                if first is None or first.shape != xi.shape or first.dtype != xi.dtype:
+                    first = self._kept[k] = torch.empty_like(xi)
+                first.copy_(xi)
+        return xis
 
     def state_dict(self) -> dict[str, Any]:
         """Seed and generator states (tables are rebuilt from the seed)."""

@@ -139,8 +139,9 @@ class AdditiveBLR(BLROptimizer):
         m = p.detach().to(state_dtype(p), copy=True)
         return {"element": m, "momentum": torch.zeros_like(m)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
-        additive_draw(self._gather(params, "element"), noise, params)
+    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
+        additive_draw(self._gather(params, "element"), xi, params)
+        return xi
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
         additive_accumulate(self._accumulators(params), grads, first)

@@ -31,10 +31,12 @@ from .state import state_dtype
 __all__ = ["AffineBLR", "affine_accumulate", "affine_commit", "affine_draw", "affine_propose"]
 
 
-def affine_draw(elements: list[Tensor], noise: list[Tensor], params: list[Tensor]) -> None:
-    """Aξ (kept in ``noise`` for the accumulation), θ = Aξ + b."""
-    for g, xi, p in zip(elements, noise, params, strict=True):
-        torch.add(xi.mul_(g[0]), g[1], out=p)
+def affine_draw(
+    elements: list[Tensor], xi: list[Tensor], out: list[Tensor], params: list[Tensor]
+) -> None:
+    """Aξ (into ``out``, kept for the accumulation), θ = Aξ + b."""
+    for g, x, axi, p in zip(elements, xi, out, params, strict=True):
+        torch.add(torch.mul(x, g[0], out=axi), g[1], out=p)
 
 
 def affine_accumulate(
@@ -212,8 +214,10 @@ class AffineBLR(BLROptimizer):
         element = self.lie_group.from_point(theta, group["init_scale"])
         return {"element": element, "momentum": torch.zeros_like(element)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
-        affine_draw(self._gather(params, "element"), noise, params)
+    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
+        axi = [self._scratch[p]["noise"] for p in params]
+        affine_draw(self._gather(params, "element"), xi, axi, params)
+        return axi
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
         elements = self._gather(params, "element")

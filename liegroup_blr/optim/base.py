@@ -167,9 +167,10 @@ class BLROptimizer(GroupStateOptimizer):
             self._broadcast_state()
 
     # ------------------------------------------------------------ the rule's part
-    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
-        """``params ← readout(g·ξ)`` with ξ in ``noise`` (which the rule may overwrite with
-        what its accumulation needs)."""
+    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
+        """``params ← readout(g·ξ)``; returns what the accumulation needs of the draw (ξ, or
+        a quantity the rule derives from it in its scratch buffers ``"noise"``). ``xi`` may
+        be read-only views of a noise table."""
         raise NotImplementedError
 
     def _accumulate(
@@ -234,10 +235,9 @@ class BLROptimizer(GroupStateOptimizer):
             self._ensure_state(group, params)
             G = self._group_of(group)
             bufs = [self._buffer(p, "noise", G.base_shape(p.shape)) for p in params]
-            self.noise_source.fill_(bufs, group["base"], params, index)
-            self._draw(group, params, bufs)
+            xi = self.noise_source.sample(bufs, group["base"], params, index)
+            noise += self._draw(group, params, xi)
             sampled += params
-            noise += bufs
         return Sample(sampled, sampled, noise)
 
     @torch.no_grad()

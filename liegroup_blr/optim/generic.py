@@ -210,9 +210,10 @@ class LieGroupBLR(BLROptimizer):
             raise ValueError(f"init: returned an invalid element: {reason}")
         return {"element": element, "momentum": theta.new_zeros(G.algebra_shape(p.shape))}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
+    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
         elements = self._gather(params, "element")
-        self._kernel(generic_draw)(self._group_of(group), elements, noise, params)
+        self._kernel(generic_draw)(self._group_of(group), elements, xi, params)
+        return xi
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
         elements = self._gather(params, "element")

@@ -51,11 +51,11 @@ def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> N
 
 
 def multiplicative_draw(
-    elements: list[Tensor], noise: list[Tensor], params: list[Tensor], signed: bool
+    elements: list[Tensor], xi: list[Tensor], out: list[Tensor], params: list[Tensor], signed: bool
 ) -> None:
-    """w = g ⊙ ξ (kept in ``noise`` for the accumulation), θ = w⁺ − w⁻."""
-    for g, w, p in zip(elements, noise, params, strict=True):
-        _readout(p, w.mul_(g), signed)
+    """w = g ⊙ ξ (into ``out``, kept for the accumulation), θ = w⁺ − w⁻."""
+    for g, x, w, p in zip(elements, xi, out, params, strict=True):
+        _readout(p, torch.mul(x, g, out=w), signed)
 
 
 def multiplicative_accumulate(
@@ -211,8 +211,10 @@ class MultiplicativeBLR(BLROptimizer):
             g = w.abs() + offset
         return {"element": g, "momentum": torch.zeros_like(g)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], noise: list[Tensor]) -> None:
-        multiplicative_draw(self._gather(params, "element"), noise, params, self.lie_group.signed)
+    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
+        w = [self._scratch[p]["noise"] for p in params]
+        multiplicative_draw(self._gather(params, "element"), xi, w, params, self.lie_group.signed)
+        return w
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
         multiplicative_accumulate(self._accumulators(params), noise, grads, first)
