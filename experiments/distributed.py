@@ -98,15 +98,28 @@ def average_gradients(parameters: list[Tensor], processes: Processes) -> None:
             p.grad /= processes.world
 
 
+def _device(processes: Processes) -> torch.device:
+    """Where collectives run: this process's GPU under NCCL, else the CPU."""
+    on_gpu = dist.get_backend() == "nccl"
+    return torch.device("cuda", processes.local_rank) if on_gpu else torch.device("cpu")
+
+
 def mean(value: float, processes: Processes) -> float:
     """The mean of a per-process number over the processes."""
     if processes.world == 1:
         return value
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", processes.local_rank) if on_gpu else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor([value], dtype=torch.float64, device=_device(processes))
     dist.all_reduce(t)
     return float(t) / processes.world
+
+
+def all_agree(ok: bool, processes: Processes) -> bool:
+    """Whether ``ok`` holds on every process (every process must call it)."""
+    if processes.world == 1:
+        return ok
+    t = torch.tensor([int(ok)], device=_device(processes))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t)
 
 
 def barrier(processes: Processes) -> None:

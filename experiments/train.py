@@ -3,16 +3,18 @@
     python -m experiments.train CONFIG.toml [--out DIR] [--resume]
 
 The output folder receives ``config.json`` (the resolved config), ``metrics.jsonl`` (one
-line per epoch), ``checkpoint.pt`` (rewritten atomically each epoch), ``results.json``
-(final metrics) and the figures. ``--resume`` continues from the checkpoint and reaches
-the same final state as an uninterrupted run; on a finished run it only re-evaluates.
-Under ``torchrun`` the same command trains over processes (experiments/distributed.py).
+line per epoch), ``checkpoint.pt`` (model, optimizer, RNG states and the metrics history,
+replaced atomically each epoch), ``results.json`` (final metrics) and the figures.
+``--resume`` continues from the checkpoint and reaches the same final state as an
+uninterrupted run; on a finished run it only re-evaluates. The run holds a lock on its
+folder; docs/runs.md says what is on disk at each instant. Under ``torchrun`` the same
+command trains over processes (experiments/distributed.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
+import math
 import random
 import sys
 import time
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, distributed
+from experiments import cli, distributed, runfiles
 from experiments import config as config_module
 from experiments.data import Dataset, load_dataset, test_batches, train_batches
 from experiments.distributed import Processes
@@ -43,6 +45,13 @@ from liegroup_blr.mc import mc_step
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
+CONFIG = "config.json"
+
+T = TypeVar("T")
+
+
+class DivergedError(runfiles.RunError, FloatingPointError):
+    """Training produced a non-finite loss, parameter, optimizer state or metric."""
 
 
 @dataclass
@@ -133,28 +142,39 @@ def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run: Run, epoch: int, path: Path) -> None:
-    """Write model, optimizer, scheduler, RNG states and the epoch count atomically."""
+def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, Any]]) -> None:
+    """Write model, optimizer, scheduler, RNG states, the epoch count and the metrics rows
+    so far atomically (the rows live here so that no kill can lose them)."""
     state = {
         "epoch": epoch,
         "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "rng": _rng_state(run),
+        "history": history,
     }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    runfiles.save_torch(path, state)
 
 
-def load_checkpoint(run: Run, path: Path) -> int:
-    """Restore a checkpoint written by :func:`save_checkpoint`; returns its epoch count."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(run, state["rng"])
-    return int(state["epoch"])
+def load_checkpoint(run: Run, path: Path) -> tuple[int, list[dict[str, Any]]]:
+    """Restore a checkpoint written by :func:`save_checkpoint`; returns its epoch count and
+    metrics rows (a checkpoint from before the rows were kept: those of ``metrics.jsonl``)."""
+    state = runfiles.load_torch(path)
+    try:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(run, state["rng"])
+        epoch = int(state["epoch"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise runfiles.CorruptFileError(
+            f"checkpoint {path} is corrupt or not of this run ({reason})"
+        ) from None
+    if "history" in state:
+        return epoch, state["history"]
+    rows = runfiles.read_jsonl(path.with_name(METRICS))
+    return epoch, [r for r in rows if r["epoch"] <= epoch]
 
 
 def _closure(run: Run, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -165,7 +185,7 @@ def _closure(run: Run, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.T
         run.optimizer.zero_grad()
         loss = cross_entropy(run.model(x), y)
         loss.backward()
-        if not isinstance(run.optimizer, lgb.LieGroupBLR):
+        if not isinstance(run.optimizer, lgb.optim.BLROptimizer):
             distributed.average_gradients(list(run.model.parameters()), run.processes)
         return loss.detach()
 
@@ -182,14 +202,18 @@ def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     ocfg = run.cfg["optimizer"]
     x, y = distributed.local_batch(x, y, run.cfg["parallel"], run.processes)
     if ocfg.get("vectorize") or ocfg.get("batch_split", 1) > 1:
-        assert isinstance(run.optimizer, lgb.LieGroupBLR)
+        assert isinstance(run.optimizer, lgb.optim.BLROptimizer)
         options = {"vectorize": ocfg["vectorize"], "batch_split": ocfg["batch_split"]}
         return float(mc_step(run.optimizer, run.model, cross_entropy, x, y, **options))
     return float(run.optimizer.step(_closure(run, x, y)))  # type: ignore[arg-type]
 
 
 def train_epoch(run: Run, epoch: int) -> float:
-    """One pass over the training set; returns the mean training loss (at posterior samples)."""
+    """One pass over the training set; returns the mean training loss (at posterior samples).
+
+    Raises :class:`DivergedError` as soon as a loss or, after an update, a parameter is not
+    finite (a last update can break the parameters while every loss was finite).
+    """
     cfg = run.cfg
     batches = train_batches(
         run.data, cfg["data"]["batch_size"], run.data_rng, run.device, cfg["data"]["augment"]
@@ -205,30 +229,32 @@ def train_epoch(run: Run, epoch: int) -> float:
     )
     losses, start = [], time.perf_counter()
     run.model.train()
-    for x, y in bar:
+    for step, (x, y) in enumerate(bar, 1):
         loss = _step(run, x, y)
-        if not np.isfinite(loss):
-            raise FloatingPointError(
-                f"training diverged: loss {loss} in epoch {epoch + 1}; lower the learning rate"
-            )
+        if not math.isfinite(loss):
+            raise _diverged(epoch, f"loss {loss} at step {step}")
+        if not runfiles.all_finite(list(run.model.parameters())):
+            raise _diverged(epoch, f"non-finite parameters after the update of step {step}")
         losses.append(loss)
         rate = len(losses) * len(y) / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss:.4f}", img_per_s=f"{rate:.0f}")
     return distributed.mean(float(np.mean(losses)), run.processes)
 
 
-def _read_metrics(path: Path, upto: int) -> list[dict[str, Any]]:
-    """Rows of ``metrics.jsonl`` for epochs ≤ ``upto`` (later ones came after the checkpoint)."""
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["epoch"] <= upto]
+def _diverged(epoch: int, what: str) -> DivergedError:
+    return DivergedError(
+        f"training diverged in epoch {epoch + 1}: {what}; nothing of this epoch was saved. "
+        "Lower [optimizer].lr (or raise the prior precision) and train into a new folder"
+    )
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+def _check_state(run: Run, epoch: int) -> None:
+    """Parameters and optimizer state must be finite before they are checkpointed."""
+    if not runfiles.all_finite(list(run.model.parameters())):
+        raise _diverged(epoch, "non-finite parameters at the end of the epoch")
+    state = [t for s in run.optimizer.state.values() for t in s.values()]
+    if not runfiles.all_finite([t for t in state if isinstance(t, torch.Tensor)]):
+        raise _diverged(epoch, "non-finite optimizer state at the end of the epoch")
 
 
 def checkpoint_path(out: Path, processes: Processes) -> Path:
@@ -236,30 +262,104 @@ def checkpoint_path(out: Path, processes: Processes) -> Path:
     return out / (CHECKPOINT if processes.main else f"checkpoint.rank{processes.rank}.pt")
 
 
+def _check_folder(out: Path, resume: bool, ckpt: Path) -> None:
+    """Refuse a folder that holds anything but this run's own resumable state.
+
+    Without ``resume`` the folder must be new or empty. With it, the folder must hold a
+    run's ``config.json`` and either its checkpoint or nothing yet trained.
+    """
+    held = runfiles.contents(out)
+    if not held:
+        return
+    if not resume:
+        raise FileExistsError(
+            f"{out} already holds files {held}; pass --resume to continue the run there, "
+            "or choose another --out"
+        )
+    untrained = set(held) <= {CONFIG, METRICS} and not runfiles.read_jsonl(out / METRICS)
+    if CONFIG not in held or not (ckpt.exists() or untrained):
+        raise FileExistsError(
+            f"{out} holds {held} but no {ckpt.name} to resume from; nothing was changed, "
+            "choose another --out"
+        )
+
+
+def _check_data(run: Run) -> None:
+    """What only the loaded data can tell: every epoch takes at least one step."""
+    batch, size = run.cfg["data"]["batch_size"], len(run.data.train_y)
+    if batch > size:
+        raise config_module.ConfigError(
+            f"[data].batch_size {batch} exceeds the {size} training examples: no step would "
+            "run (the last partial batch is dropped)"
+        )
+    world = run.processes.world
+    if run.cfg["parallel"] == "data" and batch % world:
+        raise config_module.ConfigError(
+            f"[data].batch_size {batch} must be divisible by the {world} processes "
+            "(parallel 'data')"
+        )
+
+
+def _prepare(
+    cfg: dict[str, Any], out: Path, resume: bool, processes: Processes, lock: contextlib.ExitStack
+) -> tuple[Run, int, list[dict[str, Any]]]:
+    """Lock the folder (rank 0), check it, the data and the stored config, build the run
+    and restore its checkpoint: (run, epochs done, metrics rows). Writes nothing."""
+    if processes.main:
+        lock.enter_context(runfiles.locked(out))
+    ckpt = checkpoint_path(out, processes)
+    _check_folder(out, resume, ckpt)
+    run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
+    _check_data(run)
+    if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:
+        raise config_module.ConfigError(
+            f"the config differs from the one {out} was trained with ({out / CONFIG}); "
+            "resume with that config or train into another folder"
+        )
+    if resume and ckpt.exists():
+        return (run, *load_checkpoint(run, ckpt))
+    return run, 0, []
+
+
+def _on_every_process(step: Callable[[], T], processes: Processes) -> T:
+    """Run ``step`` on every process; if it fails on one, the others fail too (not hang)."""
+    try:
+        result = step()
+    except BaseException:
+        distributed.all_agree(False, processes)
+        raise
+    if not distributed.all_agree(True, processes):
+        raise runfiles.RunError("another process of this torchrun could not start; see its error")
+    return result
+
+
 def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[str, Any]:
     """Train and evaluate the run of config ``raw`` into folder ``out``; returns the results
-    (on rank 0; other torchrun processes train alongside and return ``{}``)."""
+    (on rank 0; other torchrun processes train alongside and return ``{}``).
+
+    Everything is checked before anything is written; rank 0 holds the folder's lock for
+    the run's life. Each epoch's metrics row is saved inside its checkpoint, then
+    ``metrics.jsonl`` is rewritten from it, so no kill loses a row.
+    """
     processes = distributed.from_environment()
     cfg = config_module.resolve(raw)
     out = Path(out)
-    if (out / CHECKPOINT).exists() and not resume:
-        raise FileExistsError(f"{out} already holds a run; pass --resume or choose another --out")
+    with contextlib.ExitStack() as lock:
+        prepare = partial(_prepare, cfg, out, resume, processes, lock)
+        run, start, history = _on_every_process(prepare, processes)
+        if processes.main:
+            runfiles.remove_leftovers(out)
+            runfiles.write_json(out / CONFIG, cfg)
+            runfiles.write_jsonl(out / METRICS, history)
+        distributed.barrier(processes)
+        results = _train(run, out, start, history)
+    return results
+
+
+def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Epochs ``start`` .. E, each checkpointed with its metrics row, then the evaluation."""
+    cfg, processes = run.cfg, run.processes
     ckpt = checkpoint_path(out, processes)
-    resuming = resume and ckpt.exists()
-    run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
-    if resuming and json.loads((out / "config.json").read_text()) != cfg:
-        raise config_module.ConfigError(
-            f"the config differs from the one {out} was trained with ({out / 'config.json'}); "
-            "resume with that config or train into another folder"
-        )
-    distributed.barrier(processes)  # every process has read what it needs before rank 0 writes
-    start = load_checkpoint(run, ckpt) if resuming else 0
-    history = _read_metrics(out / METRICS, start)
-    if processes.main:
-        out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "config.json", cfg)
-        (out / METRICS).write_text("".join(json.dumps(r) + "\n" for r in history))
-    distributed.barrier(processes)
     test = test_batches(run.data, cfg["data"]["test_batch_size"], run.device)
     epochs = cfg["schedule"]["epochs"]
     for epoch in range(start, epochs):
@@ -268,11 +368,15 @@ def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[st
         loss = train_epoch(run, epoch)
         run.scheduler.step()
         seconds = time.perf_counter() - tic
-        save_checkpoint(run, epoch + 1, ckpt)
+        _check_state(run, epoch)
         if processes.main:
-            history.append(_epoch_row(run, test, epoch, lr, loss, seconds))
-            with (out / METRICS).open("a") as f:
-                f.write(json.dumps(history[-1]) + "\n")
+            row = _epoch_row(run, test, epoch, lr, loss, seconds)
+            if runfiles.nonfinite(row):
+                raise _diverged(epoch, f"non-finite test metrics {runfiles.nonfinite(row)}")
+            history.append(row)
+        save_checkpoint(run, epoch + 1, ckpt, history)
+        if processes.main:
+            runfiles.write_jsonl(out / METRICS, history)
     if not processes.main:
         return {}
     tic = time.perf_counter()
@@ -284,7 +388,12 @@ def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[st
     results["data_size"] = cfg["data"]["da_factor"] * len(run.data.train_y)
     results["optimizer"] = cfg["optimizer"]["name"]
     results["processes"] = processes.world
-    _write_json(out / RESULTS, results)
+    if runfiles.nonfinite(results):
+        raise DivergedError(
+            f"the final metrics {runfiles.nonfinite(results)} of {out} are not finite; "
+            f"{RESULTS} was not written"
+        )
+    runfiles.write_json(out / RESULTS, results)
     return results
 
 
