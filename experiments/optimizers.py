@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -17,27 +18,91 @@ GROUPS: dict[str, str] = {
     "additive": "AdditiveGroup",
     "multiplicative": "MultiplicativeGroup",
     "affine": "DiagonalAffineGroup",
+    "full_affine": "FullAffineGroup",
+    "rotation_scaling": "RotationScalingGroup",
 }
 """Built-in group names for ``name = "lie"``; any ``"package.module:ClassName"`` works too."""
 
 
+def _import(spec: str, what: str) -> Any:
+    """The object named by ``"package.module:attribute"``."""
+    module, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"cannot import {what} {spec!r}: {err}") from None
+
+
+def _check_options(cls: type, options: dict[str, Any]) -> None:
+    """Every key of ``options`` must be a keyword of ``cls.__init__`` (unless it takes
+    ``**kwargs``): a misspelt key is an error, not a silently ignored option."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = sorted(
+        name
+        for name, p in list(params.items())[1:]  # without self
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"group_options: unknown key(s) {unknown} for {cls.__name__}; valid keys: {valid}"
+        )
+
+
 def build_group(spec: str, options: dict[str, Any]) -> lgb.groups.LieGroup:
-    """A :class:`~liegroup_blr.groups.LieGroup` from a built-in name or an import path."""
+    """A :class:`~liegroup_blr.groups.LieGroup` from a built-in name or an import path, with
+    ``options`` checked against its constructor's keywords."""
     if spec in GROUPS:
         cls = getattr(lgb.groups, GROUPS[spec])
     elif ":" in spec:
-        module, _, attr = spec.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"cannot import group {spec!r}: {err}") from None
+        cls = _import(spec, "group")
     else:
         raise ValueError(
             f"unknown group {spec!r}; valid: {sorted(GROUPS)} or 'package.module:ClassName'"
         )
     if not (isinstance(cls, type) and issubclass(cls, lgb.groups.LieGroup)):
         raise ValueError(f"group {spec!r} is not a subclass of liegroup_blr.groups.LieGroup")
+    _check_options(cls, options)
     return cls(**options)
+
+
+def build_preconditioner(spec: Any, group: lgb.groups.LieGroup) -> Any:
+    """The ``preconditioner`` of :class:`~liegroup_blr.LieGroupBLR` from a config value.
+
+    ``None`` or ``"fisher"`` pass through; ``"package.module:callable"`` is imported and must
+    be callable; a list of positive factors is one per algebra component; a table
+    ``{component = factor}`` names the group's :attr:`~liegroup_blr.groups.LieGroup.components`
+    (unnamed ones get 1) and becomes that list.
+    """
+    if spec is None or spec == "fisher":
+        return spec
+    if isinstance(spec, str):
+        if ":" not in spec:
+            raise ValueError(
+                f"preconditioner: unknown {spec!r}; valid: 'fisher', a list of factors, a table "
+                "of factors by component, or 'package.module:callable'"
+            )
+        fn = _import(spec, "preconditioner")
+        if not callable(fn):
+            raise ValueError(f"preconditioner {spec!r} is not callable")
+        return fn
+    if isinstance(spec, dict):
+        names = group.components
+        unknown = sorted(set(spec) - set(names))
+        if unknown:
+            raise ValueError(
+                f"preconditioner: unknown component(s) {unknown} of {type(group).__name__}; "
+                f"its components: {list(names)}"
+            )
+        spec = [spec.get(name, 1.0) for name in names]
+    factors = list(spec) if isinstance(spec, (list, tuple)) else None
+    if not factors or not all(
+        isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors
+    ):
+        raise ValueError(f"preconditioner: factors must be positive numbers, got {spec!r}")
+    return factors
 
 
 def build_optimizer(
@@ -81,10 +146,9 @@ def build_optimizer(
         return lgb.AffineBLR(params, lr, cfg["scale_lr"], **common, **extra)
     if name == "lie":
         group = build_group(cfg["group"], cfg["group_options"])
+        preconditioner = build_preconditioner(cfg["preconditioner"], group)
         base = common.pop("base")
-        return lgb.LieGroupBLR(
-            params, group, base, lr, **common, preconditioner=cfg["preconditioner"]
-        )
+        return lgb.LieGroupBLR(params, group, base, lr, **common, preconditioner=preconditioner)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

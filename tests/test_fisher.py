@@ -33,15 +33,18 @@ from torch.distributions import (
     LogNormal,
     Normal,
     StudentT,
+    Uniform,
 )
 
 from liegroup_blr.distributions import Dirac, Rayleigh, sample_into
 from liegroup_blr.fisher import (
+    MAX_MONTE_CARLO_DIM,
     algebra_gradient,
     entropy_gradient,
     fisher_at_identity,
     fisher_closed_form,
     fisher_monte_carlo,
+    inverse_metric,
 )
 from liegroup_blr.groups import (
     AdditiveGroup,
@@ -453,3 +456,147 @@ def test_user_defined_group_gradients() -> None:
     torch.testing.assert_close(
         entropy_gradient(group, g), torch.tensor([6.0, 0.0], dtype=F64), rtol=1e-13, atol=0.0
     )
+
+
+# ------------------------------------------------------------------ inverse_metric
+class ScaledTranslation(LieGroup):
+    """θ = s·ξ + t, one scale s > 0 per tensor and one shift per entry: elements and algebra
+    vectors are flat ``[s, t₁..tₙ]`` of size n + 1 (the docs tutorial's group; not
+    coordinatewise). For a base N(0, σ²), F = diag(2n, I/σ²) on (u, v)."""
+
+    name = "ScaledTranslation"
+
+    def element_shape(self, shape: Shape) -> torch.Size:
+        return torch.Size((1 + math.prod(shape),))
+
+    def param_shape(self, element_shape: Shape) -> torch.Size:
+        return torch.Size((element_shape[0] - 1,))
+
+    def identity(
+        self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> Tensor:
+        return torch.cat((torch.ones(1, dtype=dtype), torch.zeros(math.prod(shape), dtype=dtype)))
+
+    def exp(self, X: Tensor) -> Tensor:
+        return torch.cat((X[:1].exp(), X[1:] * _exprel(X[:1])))
+
+    def compose(self, g: Tensor, h: Tensor) -> Tensor:
+        return torch.cat((g[:1] * h[:1], g[:1] * h[1:] + g[1:]))
+
+    def inverse(self, g: Tensor) -> Tensor:
+        return torch.cat((1 / g[:1], -g[1:] / g[:1]))
+
+    def act(self, g: Tensor, x: Tensor) -> Tensor:
+        return g[0] * x + g[1:].reshape(x.shape)
+
+    def log_abs_det(self, g: Tensor) -> Tensor:
+        return (g.shape[0] - 1) * g[0].log()
+
+
+def _columns(solve: Callable[[Tensor], Tensor], d: int) -> Tensor:
+    """F⁻¹ as a matrix, column by column."""
+    return torch.stack([solve(torch.eye(d, dtype=F64)[i]) for i in range(d)], 1)
+
+
+@pytest.mark.parametrize("n", [64, 63], ids=["odd-algebra-65", "even-algebra-64"])
+def test_inverse_metric_of_a_non_coordinatewise_group(n: int) -> None:
+    """Issue: the algebra was reshaped to (2, −1): size 65 raised, size 64 was split in halves
+    (factors ½ and σ² where 1/(2n) and σ² are right). The metric must be the parameter's own
+    (n+1) × (n+1) Fisher: D^{-1/2} F̂ D^{-1/2} = I within the Monte-Carlo error (σ_entry ≈
+    √2/√S on the diagonal, 1/√S off it; S = 40,000 draws, 5σ)."""
+    sigma, S = 0.1, 40_000
+    group, base = ScaledTranslation(), Normal(0.0, sigma)
+    solve = inverse_metric(group, base, (n,), generator=_gen(3), num_samples=S)
+    F_hat = torch.linalg.inv(_columns(solve, n + 1))
+    exact = torch.tensor([2.0 * n] + [1 / sigma**2] * n, dtype=F64)
+    scaled = F_hat / torch.outer(exact.sqrt(), exact.sqrt())
+    off = scaled - torch.diag(scaled.diagonal())
+    assert float((scaled.diagonal() - 1).abs().max()) < 5 * math.sqrt(2 / S)
+    assert float(off.abs().max()) < 6 / math.sqrt(S)
+    # The step the issue measured, F⁻¹X / (the right F⁻¹X), was 0.49 and 0.00998 where 1 is
+    # right: here each entry is 1 within 5σ, σ = √(2 + n)/√S (a row sum of the scaled noise).
+    out = solve(exact)  # F⁻¹(F·1) = 1
+    assert float((out - 1).abs().max()) < 5 * math.sqrt((2 + n) / S)
+    assert float(out[1:].mean()) == pytest.approx(1.0, abs=5 * math.sqrt((2 + n) / S / n))
+
+
+def test_inverse_metric_closed_form_block_is_applied_per_coordinate() -> None:
+    """Equal to solving with fisher_closed_form's kron matrix, and never builds it: a
+    (300, 400) affine parameter would need a 240,000² matrix."""
+    group, base = DiagonalAffineGroup(), Normal(0.0, 0.5)
+    X = _randn(group.algebra_shape((3, 4)), _gen(0))
+    expected = torch.linalg.solve(fisher_closed_form(group, base, (3, 4)).double(), X.reshape(-1))
+    torch.testing.assert_close(inverse_metric(group, base, (3, 4))(X), expected.reshape(X.shape))
+    big = torch.ones(group.algebra_shape((300, 400)))
+    out = inverse_metric(group, base, (300, 400))(big)
+    assert out.dtype == big.dtype
+    torch.testing.assert_close(
+        out, torch.stack((torch.full((300, 400), 0.5), torch.full((300, 400), 0.25)))
+    )
+    signed = MultiplicativeGroup(signed=True)
+    torch.testing.assert_close(
+        inverse_metric(signed, Rayleigh(1.0), (5,))(torch.ones(2, 5)), torch.full((2, 5), 0.25)
+    )
+
+
+def test_inverse_metric_monte_carlo_block_for_elementwise_groups() -> None:
+    """No closed form for a shifted Gaussian under the affine group: the c × c block is
+    estimated from all coordinates' scores and matches [[2 + μ²/σ², μ/σ²], [μ/σ², 1/σ²]]."""
+    group, base, shape = DiagonalAffineGroup(), Normal(1.5, 0.5), (10, 10)
+    solve = inverse_metric(group, base, shape, generator=_gen(1), num_samples=200_000)
+    X = torch.zeros(group.algebra_shape(shape), dtype=F64)
+    X[0, 0, 0], X[1, 3, 7] = 1.0, 1.0  # one u unit at coordinate (0, 0), one v at (3, 7)
+    out = solve(X)
+    inv = torch.linalg.inv(_affine_normal_shifted(1.5, 0.5))
+    torch.testing.assert_close(out[:, 0, 0], inv[:, 0], rtol=0.03, atol=0.0)
+    torch.testing.assert_close(out[:, 3, 7], inv[:, 1], rtol=0.03, atol=0.0)
+    out[:, 0, 0] = out[:, 3, 7] = 0
+    assert not bool(out.any())  # no coupling across coordinates
+
+
+@pytest.mark.parametrize(
+    ("group", "base", "why"),
+    [
+        (AdditiveGroup(), Uniform(-1.0, 1.0), "Uniform.*score is zero"),
+        (DiagonalAffineGroup(), Uniform(-1.0, 1.0), "Uniform.*(zero|singular)"),
+        (AdditiveGroup(), Dirac(0.0), "Dirac.*no density"),
+        (ScaledTranslation(), Dirac(1.0), "Dirac.*no density"),
+    ],
+    ids=["additive-uniform", "affine-uniform", "additive-dirac", "custom-dirac"],
+)
+def test_inverse_metric_rejects_bases_without_fisher_information(
+    group: LieGroup, base: Distribution, why: str
+) -> None:
+    """Issue: a Uniform base made torch.linalg.solve fail with a raw linear-algebra error."""
+    with pytest.raises(ValueError, match=f"^base: {why}"):
+        inverse_metric(group, base, (3,), generator=_gen(0), num_samples=2000)
+
+
+def test_inverse_metric_declared_metric_and_limits() -> None:
+    class Declared(ScaledTranslation):
+        def fisher(self, base: Distribution, shape: Shape) -> Tensor | None:
+            return torch.diag(torch.arange(1.0, 2.0 + math.prod(shape)))
+
+    solve = inverse_metric(Declared(), Normal(0.0, 1.0), (3,))
+    torch.testing.assert_close(solve(torch.ones(4)), 1 / torch.arange(1.0, 5.0))
+
+    class WrongShape(ScaledTranslation):
+        def fisher(self, base: Distribution, shape: Shape) -> Tensor | None:
+            return torch.eye(2)
+
+    with pytest.raises(ValueError, match=r"WrongShape.fisher returned shape \(2, 2\)"):
+        inverse_metric(WrongShape(), Normal(0.0, 1.0), (3,))
+    with pytest.raises(ValueError, match=r"declare it with ScaledTranslation\.fisher"):
+        inverse_metric(ScaledTranslation(), Normal(0.0, 1.0), (MAX_MONTE_CARLO_DIM,))
+
+
+def test_builtin_groups_declare_their_structure() -> None:
+    assert AdditiveGroup().elementwise and AdditiveGroup().components == ()
+    assert MultiplicativeGroup(signed=False).components == ()
+    assert MultiplicativeGroup().components == ("excitatory", "inhibitory")
+    assert DiagonalAffineGroup().components == ("scale", "shift")
+    for group in (AdditiveGroup(), MultiplicativeGroup(), DiagonalAffineGroup()):
+        assert group.elementwise and group.fisher(Normal(0.0, 1.0), (3,)) is None
+        c = max(1, len(group.components))
+        assert group.algebra_shape((4, 5)) == ((c, 4, 5) if c > 1 else (4, 5))
+    assert not ScaledTranslation().elementwise and ScaledTranslation().components == ()

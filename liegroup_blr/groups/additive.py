@@ -20,6 +20,7 @@ class AdditiveGroup(LieGroup):
 
     name = "Additive"
     constant_entropy = True
+    elementwise = True
 
     def identity(
         self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
@@ -48,4 +49,4 @@ class AdditiveGroup(LieGroup):
         return {"m": g}
 
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
-        return u
+        return u  # every shape is one element: geoopt's batches need no check

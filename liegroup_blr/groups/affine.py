@@ -38,6 +38,8 @@ class DiagonalAffineGroup(LieGroup):
     """
 
     name = "DiagonalAffine"
+    elementwise = True
+    components = ("scale", "shift")
 
     def element_shape(self, shape: Shape) -> torch.Size:
         return torch.Size((2, *shape))
@@ -87,10 +89,12 @@ class DiagonalAffineGroup(LieGroup):
         return ok, reason
 
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        self.one_element(x)
         return x[0] * u
 
     def projx(self, x: Tensor) -> Tensor:
         """A clamped to [tiny, max], b to [−max, max] of the dtype."""
+        self.one_element(x)
         x = x.clone()
         clamp_positive_(x[0])
         big = torch.finfo(x.dtype).max

@@ -8,6 +8,7 @@ import geoopt
 import torch
 import torch.func
 from torch import Tensor
+from torch.distributions import Distribution
 
 __all__ = ["LieGroup"]
 
@@ -41,6 +42,18 @@ class LieGroup(geoopt.Manifold, abc.ABC):
     """Whether base draws must lie in (0, ∞) (groups that act by scaling)."""
     constant_entropy: bool = False
     """Whether log|det J_g| is constant, so the temperature term vanishes (translations)."""
+    elementwise: bool = False
+    """True when the group acts coordinatewise. Then the algebra tensor is ``(c, *coords)``
+    with ``c = len(components)`` (no component axis when ``c ≤ 1``), each coordinate has its
+    own independent ``c``-dimensional algebra block, the same for every coordinate, and the
+    Fisher metric is block-diagonal with one ``c × c`` block repeated. True for the built-in
+    groups."""
+    components: tuple[str, ...] = ()
+    """Names of the leading algebra components, one per entry of the algebra tensor's axis 0,
+    for per-component step factors (e.g. ``("scale", "shift")``); ``()``: a single component."""
+
+    def __init__(self) -> None:
+        super().__init__()  # geoopt.Manifold takes and ignores **kwargs: a typo would pass
 
     # ----------------------------------------------------------------- shapes
     def element_shape(self, shape: Shape) -> torch.Size:
@@ -121,6 +134,20 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         """The zero algebra vector matching element ``g``."""
         return g.new_zeros(self.algebra_shape(self.param_shape(g.shape)))
 
+    def fisher(self, base: Distribution, shape: Shape) -> Tensor | None:
+        r"""The Fisher metric at the identity for a parameter of ``shape`` under ``base``, if
+        the group knows it in closed form (default ``None``: estimated by
+        :func:`~liegroup_blr.fisher.inverse_metric`).
+
+        .. math:: F = E_{x \sim q_0}\big[s(x) s(x)^\top\big],\quad
+                  s(x) = \nabla_X \log q_{\exp X}(x)\big|_{X=0}
+
+        over the flattened algebra (``d = algebra_shape(shape).numel()``, row-major): a
+        ``(d, d)`` matrix, or a ``(d,)`` vector when the metric is diagonal (no ``d × d``
+        matrix is then ever built).
+        """
+        return None
+
     # -------------------------------------------------- geoopt.Manifold API
     def step(self, x: Tensor, u: Tensor) -> Tensor:
         """``x · exp(u)`` kept in the group for any step: ``u`` is clamped to the finite range
@@ -129,16 +156,50 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         big = torch.finfo(u.dtype).max
         return self.projx(self.compose(x, self.exp(u.clamp(-big, big))))
 
+    def one_element(self, x: Tensor, name: str = "x") -> None:
+        """Raise ValueError unless ``x`` has the shape of one element.
+
+        geoopt reads leading axes as a batch, but groups with a component axis put it first
+        (signed multiplicative, diagonal affine, rotation-scaling): an ``(n, 2, ...)`` stack
+        would be read as one element and mix the batch entries. The geoopt methods refuse it.
+        For a coordinatewise group, stack elements along axis 1 instead
+        (``torch.stack(elements, 1)``): the stack is one element, acted on entry by entry. A
+        stack of exactly two elements along axis 0 cannot be told from one element of a
+        parameter with leading axis 2, so it is not caught.
+        """
+        try:
+            ok = self.element_shape(self.param_shape(x.shape)) == x.shape
+            reason = "its shape does not round-trip through param_shape"
+        except ValueError as err:
+            ok, reason = False, str(err)
+        if ok:
+            return
+        advice = (
+            "stack a batch along axis 1 (torch.stack(elements, 1)): the group acts "
+            "coordinatewise, so the stack is one element"
+            if self.elementwise
+            else "apply the group to one element at a time"
+        )
+        raise ValueError(
+            f"{name}: a tensor of shape {tuple(x.shape)} is not one {self.name} element "
+            f"({reason}); geoopt's leading batch axes are not supported because the "
+            f"component axis comes first: {advice}"
+        )
+
     def retr(self, x: Tensor, u: Tensor) -> Tensor:
+        self.one_element(x)
         return self.step(x, u)
 
     def expmap(self, x: Tensor, u: Tensor) -> Tensor:
+        self.one_element(x)
         return self.step(x, u)
 
     def transp(self, x: Tensor, y: Tensor, v: Tensor) -> Tensor:
+        self.one_element(x)
         return v
 
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        self.one_element(x)
         pullback = torch.func.vjp(
             lambda X: self.compose(x, self.exp(X)), self.algebra_zeros_like(x)
         )[1]
@@ -147,12 +208,21 @@ class LieGroup(geoopt.Manifold, abc.ABC):
     def inner(
         self, x: Tensor, u: Tensor, v: Tensor | None = None, *, keepdim: bool = False
     ) -> Tensor:
+        self.one_element(x)
         return u * u if v is None else u * v
 
     def proju(self, x: Tensor, u: Tensor) -> Tensor:
+        self.one_element(x)
         return u
 
     def projx(self, x: Tensor) -> Tensor:
+        """The nearest valid element in the dtype's range (default: ``x``).
+
+        Not a projection onto a submanifold: every group here is an open subset of its
+        coordinates, and ``projx`` only keeps a step in the group when floating point breaks
+        it (a scale that underflowed to 0 or overflowed to inf). ``step``, the optimizers'
+        update, applies it after every move."""
+        self.one_element(x)
         return x
 
     def _check_point_on_manifold(
@@ -163,6 +233,11 @@ class LieGroup(geoopt.Manifold, abc.ABC):
     def _check_vector_on_tangent(
         self, x: Tensor, u: Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
     ) -> tuple[bool, str | None]:
+        expected = self.algebra_shape(self.param_shape(x.shape))
+        if u.shape != expected:
+            return False, f"u: algebra vectors have shape {tuple(expected)}, got {tuple(u.shape)}"
+        if not bool(torch.isfinite(u).all()):
+            return False, "u: algebra vector has non-finite entries"
         return True, None
 
     def _check_shape(self, shape: Shape, name: str) -> tuple[bool, str | None]:

@@ -31,10 +31,12 @@ class MultiplicativeGroup(LieGroup):
 
     name = "Multiplicative"
     positive_base = True
+    elementwise = True
 
     def __init__(self, signed: bool = True) -> None:
         super().__init__()
         self.signed = signed
+        self.components: tuple[str, ...] = ("excitatory", "inhibitory") if signed else ()
 
     def extra_repr(self) -> str:
         return f"signed={self.signed}"
@@ -99,7 +101,10 @@ class MultiplicativeGroup(LieGroup):
         return ok, reason
 
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
+        self.one_element(x)
         return x * u
 
     def projx(self, x: Tensor) -> Tensor:
+        """Clamped to [tiny, max] of the dtype: positive and finite."""
+        self.one_element(x)
         return clamp_positive_(x.clone())
