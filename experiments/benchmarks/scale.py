@@ -74,7 +74,7 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
 
 
-def blr_step(opt: lgb.LieGroupBLR, model: nn.Module, x: Tensor, y: Tensor, **kw) -> Callable:
+def blr_step(opt: lgb.optim.BLROptimizer, model: nn.Module, x: Tensor, y: Tensor, **kw) -> Callable:
     return lambda: lgb.mc_step(opt, model, LOSS, x, y, **kw)
 
 

@@ -84,7 +84,7 @@ def _full_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tenso
         loss.backward()
         return loss
 
-    if isinstance(opt, lgb.LieGroupBLR):
+    if isinstance(opt, lgb.optim.BLROptimizer):
         return lambda: opt.step(closure)
     if isinstance(opt, ivon.IVON):
 
@@ -111,7 +111,7 @@ def _arithmetic(opt: torch.optim.Optimizer) -> Callable[[], float]:
             return time.perf_counter() - start
 
         return ivon_step
-    if not isinstance(opt, lgb.LieGroupBLR):
+    if not isinstance(opt, lgb.optim.BLROptimizer):
 
         def torch_step() -> float:
             start = time.perf_counter()

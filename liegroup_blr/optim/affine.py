@@ -209,6 +209,12 @@ class AffineBLR(BLROptimizer):
         group = self.param_groups[-1]
         group.setdefault("scale_ratio", group["scale_lr"] / group["lr"])  # α₂ / α₁
 
+    def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
+        for group in param_groups:  # state dicts made before scale_ratio kept initial_lr
+            group.setdefault(
+                "scale_ratio", group["scale_lr"] / group.get("initial_lr", group["lr"])
+            )
+
     def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         theta = p.detach().to(state_dtype(p))
         element = self.lie_group.from_point(theta, group["init_scale"])

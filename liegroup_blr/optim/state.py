@@ -169,7 +169,12 @@ class GroupStateOptimizer(Optimizer):
         """
         if self._sampling or self._samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
-        sd = super().state_dict()
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         for group, live in zip(sd["param_groups"], self.param_groups, strict=True):
             group.pop("base", None)
             group.pop("group", None)
@@ -177,6 +182,10 @@ class GroupStateOptimizer(Optimizer):
         noise = self.noise_source.state_dict()
         sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
         sd["skipped_steps"] = self.skipped_steps
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -204,11 +213,14 @@ class GroupStateOptimizer(Optimizer):
         kept: list[dict[str, Any]] = [
             {k: g[k] for k in ("base", "group") if k in g} for g in self.param_groups
         ]
+        post_hooks = self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # applied above
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run once loaded
         try:
             super().load_state_dict(state_dict)
         finally:
             self._optimizer_load_state_dict_pre_hooks = hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         saved = state_dict["state"]
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
@@ -227,11 +239,19 @@ class GroupStateOptimizer(Optimizer):
         self._pending.clear()
         self._samples = 0
         self.noise_source.end_step()
+        self._upgrade(self.param_groups)
         self.restore()
+        for post_hook in post_hooks.values():
+            post_hook(self)
+
+    def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
+        """Fill in what param groups of older state dicts lack."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything a copy needs to continue exactly like this optimizer (hooks and the
         process group excepted, as torch.optim leaves hooks out)."""
         state = {k: v for k, v in self.__dict__.items() if not k.endswith("_hooks")}
         state["process_group"] = None
+        if "_metrics" in state:  # cached preconditioners: rebuilt from the seed on use
+            state["_metrics"] = {}
         return state
