@@ -92,11 +92,15 @@ def mc_step(
         raise RuntimeError("mc_step() needs an optimizer with no samples pending")
     xs, ys = _slices(inputs, targets, batch_split)
     count = batch_split * optimizer.mc_samples
-    if vectorize:
-        chunk = chunk_size or default_chunk_size(model, count, xs[0])
-        losses = _vectorised(optimizer, model, loss_fn, xs, ys, count, chunk)
-    else:
-        losses = _sequential(optimizer, model, loss_fn, xs, ys, count)
+    try:
+        if vectorize:
+            chunk = chunk_size or default_chunk_size(model, count, xs[0])
+            losses = _vectorised(optimizer, model, loss_fn, xs, ys, count, chunk)
+        else:
+            losses = _sequential(optimizer, model, loss_fn, xs, ys, count)
+    except BaseException:
+        optimizer.discard()
+        raise
     optimizer.step()  # through step(), so lr schedulers see an optimizer step
     return torch.stack(losses).mean()
 
@@ -105,11 +109,12 @@ def _sequential(
     opt: BLROptimizer, model: nn.Module, loss_fn: LossFn, xs: Tensor, ys: Tensor, count: int
 ) -> list[Tensor]:
     losses = []
-    for j in range(count):
-        with opt.sampled_params(train=True):
-            opt.zero_grad()
-            loss = loss_fn(model(xs[j % len(xs)]), ys[j % len(ys)])
-            loss.backward()
+    for j in range(count):  # the parameters go back to the point estimate in step()
+        sample = opt.draw(train=True)
+        opt.zero_grad()
+        loss = loss_fn(model(xs[j % len(xs)]), ys[j % len(ys)])
+        loss.backward()
+        opt.accumulate(sample)
         losses.append(loss.detach())
     return losses
 

@@ -22,6 +22,7 @@ from liegroup_blr.optim.additive import (
 from liegroup_blr.optim.affine import (
     affine_accumulate,
     affine_commit,
+    affine_commit_,
     affine_draw,
     affine_propose,
 )
@@ -106,25 +107,36 @@ def test_affine_kernels_follow_the_group(zero_scale_momentum):
     torch.testing.assert_close(acc, new_mom)
     if zero_scale_momentum:
         acc[0] = 0.0
-    moved, work = g.clone(), torch.empty_like(g)
-    affine_commit([moved], [acc], [work], [p], 0.3, 0.3, None)
-    torch.testing.assert_close(moved, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(p, moved[1])
+    for functional in (True, False):
+        moved = g.clone()
+        if functional:
+            affine_commit([moved], [acc], [p], 0.3, 0.3, None)
+        else:
+            affine_commit_([moved], [acc], [torch.empty_like(g)], [p], 0.3, 0.3, None)
+        torch.testing.assert_close(moved, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p, moved[1])
 
 
-def test_affine_commit_with_two_step_sizes_is_the_documented_update():
-    """b ← b + A M_V (e^{−α₁M_U} − 1)/M_U and A ← A e^{−α₂M_U} (DESIGN, affine group)."""
+@pytest.mark.parametrize("functional", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_affine_commit_with_two_step_sizes_is_the_documented_update(functional, dtype):
+    """b ← b + A M_V (e^{−α₁M_U} − 1)/M_U and A ← A e^{−α₂M_U} (DESIGN, affine group), in
+    the functional form (compiled steps) and the in-place form (eager steps) alike."""
     gen = torch.Generator().manual_seed(3)
     A, b = _randn(*SHAPE, gen=gen).abs() + 0.2, _randn(*SHAPE, gen=gen)
     mom = 0.3 * _randn(2, *SHAPE, gen=gen)
-    g = torch.stack((A, b))
+    mom[0, 0] = torch.tensor([1e-7, -1e-9, 0.0])  # near and at the limit φ(0) = 1
+    g, p = torch.stack((A, b)).to(dtype), torch.empty(SHAPE, dtype=dtype)
     a1, a2 = 0.7, 0.05
-    affine_commit(
-        [g], [mom], [torch.empty_like(g)], [torch.empty(SHAPE, dtype=DTYPE)], a1, a2, None
-    )
+    if functional:
+        affine_commit([g], [mom.to(dtype)], [p], a1, a2, None)
+    else:
+        affine_commit_([g], [mom.to(dtype)], [torch.empty_like(g)], [p], a1, a2, None)
     u, v = mom
-    torch.testing.assert_close(g[1], b + A * v * torch.expm1(-a1 * u) / u)
-    torch.testing.assert_close(g[0], A * torch.exp(-a2 * u))
+    phi = torch.where(u == 0, 1.0, torch.expm1(-a1 * u) / (-a1 * u))
+    torch.testing.assert_close(g[1], (b - a1 * A * v * phi).to(dtype))
+    torch.testing.assert_close(g[0], (A * torch.exp(-a2 * u)).to(dtype))
+    torch.testing.assert_close(p, g[1])
 
 
 def test_no_private_optimizer_access_outside_the_optimizer_package():

@@ -28,7 +28,14 @@ from .base import BLROptimizer
 from .checks import check_number
 from .state import state_dtype
 
-__all__ = ["AffineBLR", "affine_accumulate", "affine_commit", "affine_draw", "affine_propose"]
+__all__ = [
+    "AffineBLR",
+    "affine_accumulate",
+    "affine_commit",
+    "affine_commit_",
+    "affine_draw",
+    "affine_propose",
+]
 
 
 def affine_draw(
@@ -59,38 +66,59 @@ def affine_accumulate(
 def affine_propose(
     accs: list[Tensor], momenta: list[Tensor], n: int, betas: tuple[float, float], shift: float
 ) -> None:
-    """[M_U, M_V] ← lerp([acc_U/n − τ/N, acc_V/n], [M_U, M_V], [β₂, β₁])."""
+    """[M_U, M_V] ← lerp([acc_U/n − τ/N, acc_V/n], [M_U, M_V], [β₂, β₁]) (whole-tensor ops:
+    writes through the rows ``acc[0]`` would compile to slow code)."""
     for acc, m in zip(accs, momenta, strict=True):
+        rows = (2, *[1] * (acc.ndim - 1))
         if n > 1:
             acc.mul_(1.0 / n)
         if shift:
-            acc[0].sub_(shift)
-        weights = torch.tensor(betas, dtype=acc.dtype, device=acc.device)
-        acc.lerp_(m, weights.view(2, *[1] * (acc.ndim - 1)))
+            acc.sub_(torch.tensor([shift, 0.0], dtype=acc.dtype, device=acc.device).view(rows))
+        acc.lerp_(m, torch.tensor(betas, dtype=acc.dtype, device=acc.device).view(rows))
 
 
 def affine_commit(
     elements: list[Tensor],
     momenta: list[Tensor],
-    work: list[Tensor],
     params: list[Tensor],
     lr: float | Tensor,
     scale_lr: float | Tensor,
     mean: float | None,
 ) -> None:
-    """b ← b + A M_V (e^{x} − 1)/M_U with x = −α₁M_U (the limit −α₁ A M_V at M_U = 0),
-    A ← A e^{−α₂ M_U}; both clamped to the finite range (A > 0) for any step."""
+    """b ← b − α₁ A M_V φ(−α₁ M_U), A ← A e^{−α₂ M_U} (φ = :func:`~liegroup_blr.groups.affine.
+    exprel`, exact at M_U = 0), both clamped to the finite range (A > 0) for any step.
+
+    The functional form, one tensor at a time: what ``compile=True`` runs (one fused kernel
+    per parameter). Eager steps run :func:`affine_commit_`, its in-place twin."""
+    for g, m, p in zip(elements, momenta, params, strict=True):
+        info = torch.finfo(g.dtype)
+        phi = exprel((m[0] * -lr).clamp(max=math.log(info.max)))
+        b = (g[1] - g[0] * m[1] * phi * lr).clamp(-info.max, info.max)
+        A = (g[0] * torch.exp(m[0] * -scale_lr)).clamp(info.tiny, info.max)
+        g.copy_(torch.stack((A, b)))
+        p.copy_(b if mean is None else b + mean * A)
+
+
+def affine_commit_(
+    elements: list[Tensor],
+    momenta: list[Tensor],
+    work: list[Tensor],
+    params: list[Tensor],
+    lr: float,
+    scale_lr: float,
+    mean: float | None,
+) -> None:
+    """:func:`affine_commit` in place, in the free buffers ``work`` (no allocation: large
+    temporaries cost page faults on every eager step); φ(x) = expm1(x)/x, with the 0/0 at
+    x = 0 replaced by its limit 1."""
     for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
         info = torch.finfo(g.dtype)
         x, phi = ws[0], ws[1]
         torch.mul(m[0], -lr, out=x)
-        if torch.compiler.is_compiling():  # Inductor lowers expm1 to eˣ − 1: series near 0
-            phi.copy_(exprel(x.clamp(max=math.log(info.max))))
-        else:
-            torch.expm1(x, out=phi)
-            phi.div_(x).nan_to_num_(nan=1.0)  # φ(x) = (eˣ − 1)/x, φ(0) = 1; inf/x stays inf
+        torch.expm1(x, out=phi)
+        phi.div_(x).nan_to_num_(nan=1.0)  # inf/x (overflow) stays inf, clamped next
         phi.clamp_(max=info.max).mul_(m[1])  # φ·M_V: finite factors, so never inf·0
-        g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)  # type: ignore[arg-type]
+        g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)
         torch.mul(m[0], -scale_lr, out=x)
         g[0].mul_(x.exp_()).clamp_(info.tiny, info.max)
         if mean is None:
@@ -237,16 +265,17 @@ class AffineBLR(BLROptimizer):
         return accs
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        lr = self._rate(group)
-        self._kernel(affine_commit)(
-            self._gather(params, "element"),
-            self._gather(params, "momentum"),
-            self._accumulators(params),
-            params,
-            lr,
-            lr * group["scale_ratio"],
-            self._mean(group),
-        )
+        elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
+        lr, mean = group["lr"], self._mean(group)
+        scale_lr = lr * group["scale_ratio"]
+        if self.compile:
+            rate = self._rate(group)
+            self._kernel(affine_commit)(
+                elements, momenta, params, rate, rate * group["scale_ratio"], mean
+            )
+        else:
+            work = self._accumulators(params)  # the old momenta: free
+            affine_commit_(elements, momenta, work, params, lr, scale_lr, mean)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         mean = self._mean(group)

@@ -297,11 +297,17 @@ class BLROptimizer(GroupStateOptimizer):
             torch._foreach_add_(out, theta, alpha=decay)
         return out
 
-    def _discard(self) -> None:
-        """Forget the pending samples (the step is abandoned)."""
+    def _forget(self) -> None:
         self._pending.clear()
         self._samples = 0
         self.noise_source.end_step()
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
+        point estimates again."""
+        self._forget()
+        self.restore()
 
     @contextmanager
     def sampled_params(self, train: bool = False) -> Iterator[None]:
@@ -356,8 +362,7 @@ class BLROptimizer(GroupStateOptimizer):
                     self.accumulate(sample)
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
             except BaseException:
-                self._discard()
-                self.restore()
+                self.discard()
                 raise
             if all(v is not None for v in losses):
                 loss = sum(losses) / len(losses)
@@ -397,7 +402,7 @@ class BLROptimizer(GroupStateOptimizer):
         if moved:
             self._consecutive_skips = 0
         record_finite(self.grad_scaler, bool(moved) or not work)
-        self._discard()
+        self._forget()
         for group in self.param_groups:  # the rest may still hold a sample
             rest = [p for p in self._active(group) if p not in moved and p in self.state]
             if rest:

@@ -75,8 +75,9 @@ def multiplicative_propose(
     """acc ← β M + (1 − β)(±acc/n − τ/N) for signed parameters (a (2, …) accumulator)."""
     for acc, m in zip(accs, momenta, strict=True):
         signs = torch.tensor([1.0 / n, -1.0 / n], dtype=acc.dtype, device=acc.device)
-        offset = torch.tensor(-shift, dtype=acc.dtype, device=acc.device)
-        torch.addcmul(offset, acc, signs.view(2, *[1] * (acc.ndim - 1)), out=acc)
+        acc.mul_(signs.view(2, *[1] * (acc.ndim - 1)))
+        if shift:
+            acc.sub_(shift)
         acc.lerp_(m, beta)
 
 
@@ -213,7 +214,8 @@ class MultiplicativeBLR(BLROptimizer):
 
     def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
         w = [self._scratch[p]["noise"] for p in params]
-        multiplicative_draw(self._gather(params, "element"), xi, w, params, self.lie_group.signed)
+        elements, signed = self._gather(params, "element"), self.lie_group.signed
+        multiplicative_draw(elements, xi, w, params, signed)
         return w
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
