@@ -196,3 +196,19 @@ def test_step_factors_by_component_name_equal_factors_by_position():
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="unknown components"):
         make(model.parameters(), {"scael": 0.25})
+
+
+def test_compiled_generic_rule_with_a_matrix_exp_group_equals_eager():
+    """compile=True traces the custom group's exp (torch.linalg.matrix_exp), vjp and grad."""
+    torch.manual_seed(0)
+    model, x, y = nn.Sequential(nn.Linear(4, 3)), torch.randn(16, 4), torch.randint(0, 3, (16,))
+    twin = copy.deepcopy(model)
+    make = lambda m, **kw: lgb.LieGroupBLR(  # noqa: E731
+        m.parameters(), FullAffineGroup(), Normal(0.0, 0.05), lr=0.01, data_size=100, seed=0, **kw
+    )
+    compiled, eager = make(model, compile=True), make(twin)
+    for _ in range(3):
+        compiled.step(closure_for(compiled, model, x, y))
+        eager.step(closure_for(eager, twin, x, y))
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

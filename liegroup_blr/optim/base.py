@@ -149,8 +149,9 @@ class BLROptimizer(GroupStateOptimizer):
             antithetic=antithetic,
             table_size=table_size,
         )
-        if max_consecutive_skips is not None and (
-            isinstance(max_consecutive_skips, bool) or max_consecutive_skips < 1
+        limit = max_consecutive_skips
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
         ):
             raise ValueError(
                 f"max_consecutive_skips: must be a positive integer, got {max_consecutive_skips!r}"
