@@ -11,6 +11,7 @@ from torch.distributions import Normal
 
 import liegroup_blr as lgb
 from liegroup_blr.distributions import Dirac, Rayleigh
+from liegroup_blr.fisher import entropy_gradient
 from liegroup_blr.groups import (
     AdditiveGroup,
     DiagonalAffineGroup,
@@ -212,3 +213,25 @@ def test_compiled_generic_rule_with_a_matrix_exp_group_equals_eager():
         eager.step(closure_for(eager, twin, x, y))
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "group",
+    [
+        AdditiveGroup(),
+        MultiplicativeGroup(signed=True),
+        DiagonalAffineGroup(),
+        FullAffineGroup(),
+        lgb.groups.RotationScalingGroup(),
+    ],
+    ids=lambda g: g.name,
+)
+def test_entropy_gradient_is_the_same_at_every_element(group):
+    """log|det J| is a homomorphism (the action's Jacobian does not depend on ξ), so its
+    algebra gradient at g equals the one at the identity, which the generic rule caches."""
+    shape = (4, 2)
+    gen = torch.Generator().manual_seed(5)
+    X = 0.5 * torch.randn(group.algebra_shape(shape), generator=gen, dtype=DTYPE)
+    g = group.exp(X)
+    identity = group.identity(shape, dtype=DTYPE)
+    torch.testing.assert_close(entropy_gradient(group, g), entropy_gradient(group, identity))

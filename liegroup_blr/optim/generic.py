@@ -59,18 +59,19 @@ def generic_propose(
     accs: list[Tensor],
     momenta: list[Tensor],
     elements: list[Tensor],
+    entropy: list[Tensor | None],
     preconditioners: list[Callable[[Tensor], Tensor]],
     n: int,
     beta: float,
-    entropy_weight: float,
     lr: float | Tensor,
 ) -> list[Tensor]:
-    """acc ← β M + (1 − β) P(acc/n − (τ/N)∇H); returns the proposed g·exp(−α acc)."""
+    """acc ← β M + (1 − β) P(acc/n − (τ/N)∇H); returns the proposed g·exp(−α acc).
+    ``entropy`` holds (τ/N)∇H per tensor, or ``None`` where τ = 0."""
     proposals = []
-    for acc, m, g, precondition in zip(accs, momenta, elements, preconditioners, strict=True):
-        X = acc / n
-        if entropy_weight:
-            X = X - entropy_weight * entropy_gradient(G, g)
+    for acc, m, g, h, precondition in zip(
+        accs, momenta, elements, entropy, preconditioners, strict=True
+    ):
+        X = acc / n if h is None else acc / n - h
         acc.copy_(torch.lerp(precondition(X), m, beta))
         proposals.append(G.step(g, acc * -lr))
     return proposals
@@ -155,7 +156,7 @@ class LieGroupBLR(BLROptimizer):
     ) -> None:
         self.init = init
         self.preconditioner = preconditioner
-        self._metrics: dict[tuple[int, torch.Size], Callable[[Tensor], Tensor]] = {}
+        self._metrics: dict[tuple[Any, ...], Any] = {}  # preconditioners, entropy gradients
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -232,10 +233,10 @@ class LieGroupBLR(BLROptimizer):
             accs,
             self._gather(params, "momentum"),
             elements,
+            [self._entropy_gradient(group, p) * weight if weight else None for p in params],
             [self._precondition(group, p) for p in params],
             n,
             group["momentum"],
-            weight,
             self._rate(group),
         )
         for p, proposal in zip(params, proposals, strict=True):
@@ -261,6 +262,18 @@ class LieGroupBLR(BLROptimizer):
         if mean is not None:
             return torch.full(G.base_shape(p.shape), mean, dtype=dtype, device=p.device)
         return G.reference_point(p.shape, dtype=dtype, device=p.device)
+
+    def _entropy_gradient(self, group: dict[str, Any], p: Tensor) -> Tensor:
+        r""":math:`\nabla_X \log|\det J_{g \exp X}|` at 0, the same for every g: the Jacobian of
+        the action does not depend on ξ, so :math:`\log|\det J_{gh}| = \log|\det J_g| +
+        \log|\det J_h|`; computed once at the identity per param group and shape."""
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        key = ("entropy", index, p.shape, p.dtype, p.device)
+        if key not in self._metrics:
+            G = self._group_of(group)
+            e = G.identity(p.shape, dtype=state_dtype(p), device=p.device)
+            self._metrics[key] = entropy_gradient(G, e)
+        return self._metrics[key]
 
     # ------------------------------------------------------ preconditioning
     def _precondition(self, group: dict[str, Any], p: Tensor) -> Callable[[Tensor], Tensor]:

@@ -33,6 +33,7 @@ __all__ = [
     "MultiplicativeBLR",
     "multiplicative_accumulate",
     "multiplicative_commit",
+    "multiplicative_commit_",
     "multiplicative_draw",
     "multiplicative_propose",
 ]
@@ -84,14 +85,34 @@ def multiplicative_propose(
 def multiplicative_commit(
     elements: list[Tensor],
     momenta: list[Tensor],
-    work: list[Tensor],
     params: list[Tensor],
     lr: float | Tensor,
     signed: bool,
     mean: float | None,
 ) -> None:
     """g ← clamp(g ⊙ e^{−α M}) to [tiny, max] of the dtype (positive and finite for any
-    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate."""
+    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate.
+
+    The functional form, one tensor at a time: what ``compile=True`` runs (one fused kernel
+    per parameter). Eager steps run :func:`multiplicative_commit_`, its in-place twin."""
+    for g, m, p in zip(elements, momenta, params, strict=True):
+        info = torch.finfo(g.dtype)
+        moved = (g * torch.exp(m * -lr)).clamp(info.tiny, info.max)
+        g.copy_(moved)
+        _readout(p, moved, signed, mean)
+
+
+def multiplicative_commit_(
+    elements: list[Tensor],
+    momenta: list[Tensor],
+    work: list[Tensor],
+    params: list[Tensor],
+    lr: float,
+    signed: bool,
+    mean: float | None,
+) -> None:
+    """:func:`multiplicative_commit` in place, in the free buffers ``work`` (no allocation:
+    large temporaries cost page faults on every eager step)."""
     for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
         info = torch.finfo(g.dtype)
         torch.mul(m, -lr, out=ws)
@@ -233,15 +254,14 @@ class MultiplicativeBLR(BLROptimizer):
         return accs
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        self._kernel(multiplicative_commit)(
-            self._gather(params, "element"),
-            self._gather(params, "momentum"),
-            self._accumulators(params),
-            params,
-            self._rate(group),
-            self.lie_group.signed,
-            self._mean(group),
-        )
+        elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
+        signed, mean = self.lie_group.signed, self._mean(group)
+        if self.compile:
+            rate = self._rate(group)
+            self._kernel(multiplicative_commit)(elements, momenta, params, rate, signed, mean)
+        else:
+            work = self._accumulators(params)  # the old momenta: free
+            multiplicative_commit_(elements, momenta, work, params, group["lr"], signed, mean)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         mean, signed = self._mean(group), self.lie_group.signed
