@@ -1,4 +1,5 @@
-"""Final evaluation of a run: predictive metrics, calibration, first-layer sparsity, figures."""
+"""Final evaluation of a run: predictive metrics, calibration, first-layer sparsity,
+out-of-distribution detection and figures."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from experiments import figures
-from experiments.sparsity import first_layer, sparsity
+from experiments import figures, ood
+from experiments.sparsity import NEAR_ZERO, first_layer, init_scale, sparsity
 from liegroup_blr import predictive
 
 # file stem and title of the positive parts of a group element; m and b are the point estimate
@@ -64,14 +65,65 @@ def evaluate(
         out / "reliability.png",
     )
     results["sparsity"] = first_layer_sparsity(model, optimizer, cfg["sparsity_samples"])
+    results["ood"] = out_of_distribution(model, optimizer, inputs, cfg["samples"], out)
     plot_first_layer(model, optimizer, inputs[0][0], out)
+    plot_weight_magnitudes(model, optimizer, out / "weights.png")
     return results
+
+
+def out_of_distribution(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: Sequence[Tensor],
+    samples: int,
+    out: Path,
+) -> dict[str, dict[str, float]]:
+    """AUROC of the predictive entropy for test inputs vs each shift of :mod:`experiments.ood`,
+    at g and for the model average of ``samples`` posterior samples; writes ``ood.png``.
+
+    The average uses the same posterior samples for the test inputs and the shifted ones.
+    """
+    shifted = ood.shifted_inputs(inputs)
+    pooled = list(inputs) + [x for batches in shifted.values() for x in batches]
+    sizes = [sum(len(x) for x in inputs)] + [sum(len(x) for x in b) for b in shifted.values()]
+    names = ["test inputs", *shifted]
+    estimates = {"point": predictive.predictive_log_probs(model, pooled)}
+    if hasattr(optimizer, "sampled_params"):
+        estimates["average"] = predictive.predictive_log_probs(model, pooled, optimizer, samples)
+    entropies = {
+        est: dict(zip(names, ood.entropy(log_p).split(sizes), strict=True))
+        for est, log_p in estimates.items()
+    }
+    titles = {"point": "at g", "average": f"model average, {samples} samples"}
+    figures.entropy_histograms(
+        {titles[est]: ent for est, ent in entropies.items()}, out / "ood.png"
+    )
+    average = entropies.get("average", entropies["point"])  # no posterior: the point estimate
+    return {
+        name: {
+            "point": ood.auroc(entropies["point"]["test inputs"], entropies["point"][name]),
+            "average": ood.auroc(average["test inputs"], average[name]),
+        }
+        for name in shifted
+    }
+
+
+def plot_weight_magnitudes(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Distribution of log₁₀|w| of the first layer at g (and at one posterior sample)."""
+    weight = first_layer(model)
+    weights = {"at g": weight.detach().clone()}
+    sampler = getattr(optimizer, "sampled_params", None)
+    if sampler is not None:
+        with sampler():
+            weights["one posterior sample"] = weight.detach().clone()
+    figures.weight_magnitudes(weights, path, NEAR_ZERO * init_scale(weight))
 
 
 def first_layer_sparsity(
     model: nn.Module, optimizer: torch.optim.Optimizer, samples: int
 ) -> dict[str, dict[str, float]]:
-    """Hoyer measure and near-zero fraction of the first layer at g and averaged over samples.
+    """Sparsity measures (:func:`experiments.sparsity.sparsity`) of the first layer at g and
+    averaged over samples.
 
     "averaged" is the mean of each measure over ``samples`` posterior samples θ = g·ξ
     (the point estimate again for deterministic optimizers).

@@ -17,7 +17,9 @@ DPI = 100
 RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
 FILTERS_SIZE = (8.0, 4.5)  # 800 × 450 pixels
 CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
+HISTOGRAM_SIZE = (8.0, 4.0)  # 800 × 400 pixels
 FILTER_ROWS, FILTER_COLS = 4, 8
+ROBUST_QUANTILE = 0.99
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -66,23 +68,33 @@ def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path) 
     _save(fig, path)
 
 
+def robust_limit(values: np.ndarray, quantile: float = ROBUST_QUANTILE) -> float:
+    """The ``quantile`` of |values|: a colour limit that a few outliers cannot stretch."""
+    return max(float(np.quantile(np.abs(values), quantile)), 1e-12)
+
+
 def _filter_image(f: np.ndarray, signed: bool) -> tuple[np.ndarray, dict[str, object]]:
-    """An (H, W) or (H, W, 3) image of one filter ``(C, H, W)``, scaled to its own maximum."""
+    """An (H, W) or (H, W, 3) image of one filter ``(C, H, W)`` with its own robust limits.
+
+    Colours saturate at the filter's 99th percentile of |w|, so a few large weights do not
+    turn the rest of the filter into uniform background.
+    """
     if f.shape[0] == 3:
-        lo, hi = f.min(), f.max()
-        return ((f - lo) / max(hi - lo, 1e-12)).transpose(1, 2, 0), {}
+        limit = robust_limit(f)
+        return (np.clip(f / limit, -1.0, 1.0) + 1.0).transpose(1, 2, 0) / 2.0, {}
     img = f.mean(axis=0)
-    peak = max(float(np.abs(img).max()), 1e-12)
+    limit = robust_limit(img)
     if signed:
-        return img / peak, {"cmap": "RdBu_r", "vmin": -1.0, "vmax": 1.0}
-    return img / peak, {"cmap": "gray", "vmin": 0.0, "vmax": 1.0}
+        return img, {"cmap": "RdBu_r", "vmin": -limit, "vmax": limit}
+    return img, {"cmap": "gray", "vmin": 0.0, "vmax": limit}
 
 
 def filter_grid(filters: Tensor, path: Path, title: str, signed: bool = True) -> None:
-    """Up to 32 filters ``(F, C, H, W)`` in a 4 × 8 grid, each scaled to its own maximum.
+    """Up to 32 filters ``(F, C, H, W)`` in a 4 × 8 grid, each with its own robust limits.
 
-    ``signed`` filters use a blue (negative) to red (positive) map; unsigned ones (g⁺, g⁻)
-    go from black (0) to white (largest entry).
+    ``signed`` filters use a blue (negative) to red (positive) map symmetric about 0;
+    unsigned ones (g⁺, g⁻) go from black (0) to white. Each filter's colours saturate at its
+    99th percentile of |w| (:func:`robust_limit`).
     """
     fig, axes = plt.subplots(FILTER_ROWS, FILTER_COLS, figsize=FILTERS_SIZE)
     array = filters.detach().cpu().double().numpy()
@@ -91,8 +103,43 @@ def filter_grid(filters: Tensor, path: Path, title: str, signed: bool = True) ->
         if i < len(array):
             img, style = _filter_image(array[i], signed)
             ax.imshow(img, interpolation="nearest", **style)
-    fig.suptitle(title)
+    fig.suptitle(f"{title} (colours saturate at each filter's 99th percentile of |w|)")
     fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.9, wspace=0.05, hspace=0.05)
+    _save(fig, path)
+
+
+def weight_magnitudes(
+    weights: Mapping[str, Tensor], path: Path, near_zero: float | None = None
+) -> None:
+    """Histogram of log₁₀|w| of a layer, one line per entry of ``weights`` (label → tensor).
+
+    ``near_zero`` marks the near-zero threshold as a vertical line.
+    """
+    fig, ax = plt.subplots(figsize=HISTOGRAM_SIZE)
+    for label, w in weights.items():
+        mag = w.detach().abs().double().flatten().cpu().numpy()
+        logs = np.log10(np.maximum(mag, 1e-12))
+        ax.hist(logs, bins=120, histtype="step", lw=1.5, density=True, label=label)
+    if near_zero is not None:
+        ax.axvline(math.log10(near_zero), color="k", ls="--", lw=1, label="near-zero threshold")
+    ax.set(xlabel="log₁₀ |w|", ylabel="density", title="first-layer weight magnitudes")
+    ax.legend()
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def entropy_histograms(panels: Mapping[str, Mapping[str, Tensor]], path: Path) -> None:
+    """One panel per entry of ``panels`` (title → {input set → predictive entropies}):
+    a histogram of the predictive entropy per input set."""
+    fig, axes = plt.subplots(1, len(panels), figsize=RELIABILITY_SIZE, squeeze=False)
+    for ax, (title, sets) in zip(axes[0], panels.items(), strict=True):
+        top = max(float(e.max()) for e in sets.values())
+        edges = np.linspace(0.0, max(top, 1e-6), 41)
+        for name, entropy in sets.items():
+            ax.hist(entropy.cpu().numpy(), bins=edges, histtype="step", lw=1.5, label=name)
+        ax.set(xlabel="predictive entropy (nats)", ylabel="inputs", title=title)
+        ax.legend()
+    fig.tight_layout()
     _save(fig, path)
 
 

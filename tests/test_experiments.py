@@ -202,13 +202,14 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
     for label in results:
         assert f"| {label} | at g |" in report
         assert f"| {label} | average" in report
-        assert_png(tmp_path / label / "reliability.png", figures.RELIABILITY_SIZE)
-        assert f"]({label}/reliability.png)" in report
+        assert_png(tmp_path / label / "seed0" / "reliability.png", figures.RELIABILITY_SIZE)
+        assert f"]({label}/seed0/reliability.png)" in report
     assert "average †" in report  # the deterministic baselines are flagged
-    assert "](multiplicative/filters_excitatory.png)" in report
+    assert "](multiplicative/seed0/filters_excitatory.png)" in report
     assert_png(tmp_path / "learning_curves.png", figures.CURVES_SIZE)
     assert json.loads((tmp_path / "results.json").read_text()).keys() == results.keys()
-    assert json.loads((tmp_path / "config.json").read_text()) == split_runs(raw)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written == {label: {"0": cfg} for label, cfg in split_runs(raw).items()}
     # runs are reproducible from the config alone: SGD again gives identical results
     again = compare.compare({**raw, "runs": {"sgd": raw["runs"]["sgd"]}}, tmp_path / "again")
     assert without_times(again["sgd"]) == without_times(results["sgd"])
@@ -290,8 +291,9 @@ def test_split_runs_merges_shared_tables() -> None:
     ids=lambda p: p.stem,
 )
 def test_shipped_configs_resolve(path: Path) -> None:
-    runs = split_runs(load(path))
+    runs = compare.run_configs(load(path))
     assert runs
-    for cfg in runs.values():
-        assert not Path(cfg["data"]["root"]).is_absolute()
-    assert all(cfg["seed"] == 0 for cfg in runs.values())
+    for by_seed in runs.values():
+        assert 0 in by_seed
+        for cfg in by_seed.values():
+            assert not Path(cfg["data"]["root"]).is_absolute()

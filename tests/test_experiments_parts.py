@@ -252,8 +252,8 @@ def test_hoyer_by_hand() -> None:
 
 
 def test_near_zero_fraction_by_hand() -> None:
-    w = torch.tensor([[2.0, -1e-3, 3e-3], [1.9e-3, 0.0, -0.5]])  # threshold 1e-3 · 2 = 2e-3
-    assert sparsity.near_zero_fraction(w) == pytest.approx(3 / 6)
+    w = torch.tensor([[2.0, -1e-3, 3e-3], [1.9e-3, 0.0, -0.5]])
+    assert sparsity.near_zero_fraction(w, 2e-3) == pytest.approx(3 / 6)
 
 
 def test_first_layer_is_the_input_layer() -> None:
