@@ -74,7 +74,8 @@ class AdditiveBLR(BLROptimizer):
         \qquad M \leftarrow \beta M + (1-\beta)\hat X, \qquad m \leftarrow m - \alpha M.
 
     With a ``Dirac(0)`` base this is exactly SGD with EMA momentum (M₀ = 0) and weight decay
-    δ/N. The parameters hold :math:`m` outside :meth:`~BLROptimizer.sampled_params`.
+    δ/N. The parameters hold :math:`m` outside
+    :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`.
 
     Args:
         params: parameters or param groups.
@@ -86,8 +87,10 @@ class AdditiveBLR(BLROptimizer):
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
-        max_consecutive_skips: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
+
+    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
+    :class:`~liegroup_blr.optim.BLROptimizer`.
     """
 
     def __init__(

@@ -149,7 +149,7 @@ class AffineBLR(BLROptimizer):
     α₁ : α₂ = 2σ² : 1 that the rule leaves free. Linearised in α this is the Bayesian learning
     rule for a diagonal Gaussian (a variance-preconditioned mean step), and on a quadratic loss
     with a Gaussian q0 its fixed point is the exact Gaussian posterior. The parameters hold
-    :math:`b` outside :meth:`~BLROptimizer.sampled_params`.
+    :math:`b` outside :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`.
 
     ``lr`` (α₁) is what ``torch.optim.lr_scheduler`` schedules set; α₂ keeps its ratio to it:
     the scale's step is ``scale_lr × lr / lr₀`` with lr₀ the ``lr`` the param group was
@@ -169,8 +169,10 @@ class AffineBLR(BLROptimizer):
         mc_samples: S ≥ 1.
         init_scale: initial A > 0.
         point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
-        max_consecutive_skips: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
+
+    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
+    :class:`~liegroup_blr.optim.BLROptimizer`.
     """
 
     lie_group: DiagonalAffineGroup

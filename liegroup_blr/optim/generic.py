@@ -100,8 +100,9 @@ class LieGroupBLR(BLROptimizer):
     inverse Fisher metric at the identity, or any callable. A proposed element that is not
     finite or fails ``group.check_element`` skips the step like a non-finite gradient.
 
-    Outside :meth:`~BLROptimizer.sampled_params` every parameter holds the point estimate
-    ``readout(g · ξ₀)`` (ξ₀ = ``group.reference_point``, or E[ξ] with ``point_estimate="mean"``).
+    Outside :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` every parameter holds the
+    point estimate ``readout(g · ξ₀)`` (ξ₀ = ``group.reference_point``, or E[ξ] with
+    ``point_estimate="mean"``).
 
     Args:
         params: parameters or param groups. Each param group may set its own ``lr``,
@@ -114,7 +115,7 @@ class LieGroupBLR(BLROptimizer):
         data_size: N > 0; required when ``prior_precision`` > 0 or the entropy term is used.
         temperature: τ ≥ 0.
         prior_precision: δ ≥ 0 of the Gaussian prior N(0, I/δ).
-        mc_samples: S ≥ 1 samples per :meth:`~BLROptimizer.step` with a closure.
+        mc_samples: S ≥ 1 samples per :meth:`~liegroup_blr.optim.BLROptimizer.step` with a closure.
         preconditioner: ``None``; per-component step factors, a sequence (one per leading
             algebra component, or one for all) or a mapping ``{component name: factor}``
             over ``group.components``; ``"fisher"`` (the inverse Fisher metric at the
@@ -122,9 +123,11 @@ class LieGroupBLR(BLROptimizer):
             ``X -> P(X)``.
         init: callable ``θ -> g`` giving each parameter's initial element
             (default ``group.from_point``); it must return a valid element.
-        point_estimate, seed, noise, antithetic, table_size, compile, process_group,
-        grad_scaler, max_consecutive_skips: as for
-            :class:`~liegroup_blr.optim.base.BLROptimizer`.
+        point_estimate: ``"g"`` or ``"mean"`` (see above).
+
+    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
+    :class:`~liegroup_blr.optim.BLROptimizer`.
 
     Raises:
         ValueError: naming the argument, for any invalid hyperparameter.

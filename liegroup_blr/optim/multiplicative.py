@@ -141,7 +141,8 @@ class MultiplicativeBLR(BLROptimizer):
     random permutation of its entries — this rewrites the weights. ``init="keep"`` keeps
     them (pretrained weights): :math:`g^\pm = \max(\pm\theta, 0) + \text{offset}`, so
     :math:`g^+ - g^- = \theta`. The parameters hold :math:`g^+ - g^-` outside
-    :meth:`~BLROptimizer.sampled_params` (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
+    :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` (``point_estimate="mean"``:
+    :math:`E[\xi](g^+ - g^-)`).
 
     Args:
         params: parameters or param groups.
@@ -156,8 +157,10 @@ class MultiplicativeBLR(BLROptimizer):
         signed: excitatory/inhibitory parts (default) or a single positive part.
         init: ``"reference"`` or ``"keep"`` (see above).
         point_estimate: ``"g"`` or ``"mean"``.
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
-        max_consecutive_skips: as for :class:`~liegroup_blr.optim.base.BLROptimizer`.
+
+    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
+    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
+    :class:`~liegroup_blr.optim.BLROptimizer`.
     """
 
     lie_group: MultiplicativeGroup
