@@ -77,6 +77,14 @@ def affine_propose(
         acc.lerp_(m, torch.tensor(betas, dtype=acc.dtype, device=acc.device).view(rows))
 
 
+def _point(p: Tensor, A: Tensor, b: Tensor, mean: float | None) -> None:
+    """p ← b, or b + A·E[ξ] under ``point_estimate="mean"``."""
+    if mean is None:
+        p.copy_(b)
+    else:
+        torch.add(b, A, alpha=mean, out=p)
+
+
 def affine_commit(
     elements: list[Tensor],
     momenta: list[Tensor],
@@ -96,7 +104,7 @@ def affine_commit(
         b = (g[1] - g[0] * m[1] * phi * lr).clamp(-info.max, info.max)
         A = (g[0] * torch.exp(m[0] * -scale_lr)).clamp(info.tiny, info.max)
         g.copy_(torch.stack((A, b)))
-        p.copy_(b if mean is None else b + mean * A)
+        _point(p, A, b, mean)
 
 
 def affine_commit_(
@@ -121,10 +129,7 @@ def affine_commit_(
         g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)
         torch.mul(m[0], -scale_lr, out=x)
         g[0].mul_(x.exp_()).clamp_(info.tiny, info.max)
-        if mean is None:
-            p.copy_(g[1])
-        else:
-            torch.add(g[1], g[0], alpha=mean, out=p)
+        _point(p, g[0], g[1], mean)
 
 
 class AffineBLR(BLROptimizer):
@@ -282,7 +287,4 @@ class AffineBLR(BLROptimizer):
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         mean = self._mean(group)
         for g, p in zip(self._gather(params, "element"), params, strict=True):
-            if mean is None:
-                p.copy_(g[1])
-            else:
-                torch.add(g[1], g[0], alpha=mean, out=p)
+            _point(p, g[0], g[1], mean)
