@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from experiments import config as config_module
 from experiments import distributed
 from experiments.runfiles import RunError
 
-Runner = Callable[[dict[str, Any], Path, bool], dict[str, Any]]
+Runner = Callable[..., dict[str, Any]]  # (raw config, out, resume[, seeds=])
 
 
 def run(
@@ -21,8 +22,12 @@ def run(
     runner: Runner,
     show: Callable[[dict[str, Any], Path], None],
     argv: list[str] | None,
+    seeds: Callable[[str], list[int]] | None = None,
 ) -> int:
     """Parse ``CONFIG [--out DIR] [--resume]``, run ``runner`` and ``show`` its results.
+
+    With ``seeds`` (the parser of its value), ``--seeds`` is an option too, passed on to
+    ``runner`` as ``seeds=``.
 
     Config errors, file-system errors, a folder in use, corrupt run files and divergence
     print one line and exit with 2; a torchrun process other than
@@ -34,9 +39,13 @@ def run(
     parser.add_argument("config", type=Path, help="TOML config (or a run's config.json)")
     parser.add_argument("--out", type=Path, help="output folder (default: results/CONFIG_NAME)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoints")
+    if seeds is not None:
+        parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: config's)")
     args = parser.parse_args(argv)
     out = args.out or Path("results") / args.config.stem
     try:
+        if seeds is not None and args.seeds is not None:
+            runner = partial(runner, seeds=seeds(args.seeds))
         results = runner(config_module.load(args.config), out, args.resume)
     except (ValueError, OSError, RunError) as err:
         print(f"error: {_message(err)}", file=sys.stderr)

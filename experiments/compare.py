@@ -19,7 +19,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -333,21 +332,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    runner = compare
-    if "--seeds" in argv:
-        at = argv.index("--seeds")
-        if at + 1 == len(argv):
-            print("error: --seeds needs a value such as 0,1,2", file=sys.stderr)
-            return 2
-        try:
-            seeds = _parse_seeds(argv[at + 1])
-        except config_module.ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        runner = partial(compare, seeds=seeds)
-        del argv[at : at + 2]
-    return cli.run("python -m experiments.compare", __doc__, runner, _show, argv)
+    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, _parse_seeds)
 
 
 if __name__ == "__main__":

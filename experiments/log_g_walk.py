@@ -1,24 +1,28 @@
-"""Why a few multiplicative weights grow large: log g under fresh and under frozen noise.
+"""Why a few multiplicative weights grow large: the multiplicative rule under three noises.
 
     python -m experiments.log_g_walk [--widths 128] [--passes 26] [--samples 4] [--seed 0]
+        [--noise fresh one-draw per-sample]
 
 The multiplicative rule moves log g± by −α M± per step, M± a moving average of
-X̂± = ±(1/S) Σ_s ∇ℓ̄(θ_s) ⊙ g±ξ±_s − τ/N. With fresh noise ξ at every sample (this library)
-X̂ has a zero-mean part from the noise alone, so log g also takes random steps of size
-about α·|∇ℓ̄|·g·sd(ξ): a random walk whose spread grows with the number of steps, and
-whose steps grow with g, so the weights that wander up move faster. With the noise
-frozen (the reference code draws it once, at trace time) the same ξ enters every step,
-X̂ is a deterministic function of g and the minibatch, and there is no such walk.
+X̂± = ±(1/S) Σ_s ∇ℓ̄(θ_s) ⊙ g±ξ±_s − τ/N. The noise ξ enters three ways here:
 
-Experiment: a tanh-MLP (hidden ``--widths``; none: softmax regression) on the mnist5k
-training digits, trained by the multiplicative rule with the reference MNIST
-hyperparameters (α = 50, β = 0.9, τ = 0.006, Rayleigh(1) base, batch 50, cosine schedule),
-once with fresh noise and once with the first layer's noise frozen: a noise table of twice
-the first layer's size, so the first layer's (2, …) noise is always the table's one window
-and every sample and step reads the same ξ there (the smaller tensors get random windows
-of the table, nearly fresh noise). Prints, after some passes, the spread of the change of
-log g⁺ over the first layer's weights, its max|θ|, median|θ| and the share of |θ| above
-10 median|θ|.
+* ``fresh``: new ξ at every sample of every step (this library). X̂ then has a zero-mean
+  part from the noise alone, so log g also takes random steps of size about
+  α·|∇ℓ̄|·g·sd(ξ): a random walk whose steps grow with g.
+* ``one-draw``: one ξ for the first layer at every sample and step (a noise table of exactly
+  twice the first layer's size, so its (2, …) noise is always the table's one window; the
+  other layers read random windows, nearly fresh noise).
+* ``per-sample``: the reference code's noise. It draws S noise tensors per part once (when
+  its update is traced) and the s-th sample of every step reuses the s-th, in every layer;
+  the model average at test time draws fresh noise.
+
+Experiment: a tanh-MLP (hidden ``--widths``) on the mnist5k training digits, trained by the
+multiplicative rule with the reference MNIST hyperparameters (α = 50, β = 0.9, τ = 0.006,
+Rayleigh(1) base, batch 50, cosine schedule) under each noise. Prints, after some passes,
+the spread of the change of log g⁺ over the first layer's weights, its max|θ|, median|θ| and
+the share of |θ| above 10 median|θ|; then the test accuracy, NLL and ECE at g and for the
+average over 32 fresh samples, with the first layer's Hoyer measure and share below
+10⁻³·max|θ| (the reference code's sparsity numbers).
 """
 
 from __future__ import annotations
@@ -26,46 +30,91 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 
 import torch
+from torch import Tensor
+from torch.distributions import Distribution
 from torch.nn.functional import cross_entropy
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments.data import load_dataset, train_batches
+from experiments.data import load_dataset, test_batches, train_batches
 from experiments.models import build_model
-from experiments.sparsity import first_layer
+from experiments.sparsity import first_layer, sparsity
+from liegroup_blr import predictive
+from liegroup_blr.noise import NoiseSource
+
+NOISES = ("fresh", "one-draw", "per-sample")
 
 
-def run(
-    frozen: bool, widths: list[int], passes: int, samples: int, seed: int
-) -> list[dict[str, float]]:
-    """Train the network; one row of first-layer log-g⁺ and |θ| statistics per pass."""
-    torch.manual_seed(seed)
-    data = load_dataset("mnist5k", "data")
-    model = build_model("mlp", (1, 28, 28), 10, widths=widths, activation="tanh")
+class PerSampleNoise(NoiseSource):
+    """The reference code's noise: the s-th training sample of every step reads the same ξ,
+    drawn fresh on first use (S draws per tensor in all); other samples draw fresh noise."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__("fresh", seed)
+        self.frozen: dict[tuple[int, int], list[Tensor]] = {}
+        self.index = -1  # of the current training sample within its step; -1: not training
+
+    def start_sample(self, train: bool) -> None:
+        super().start_sample(train)
+        self.index = self.index + 1 if train else -1
+
+    def end_step(self) -> None:
+        super().end_step()
+        self.index = -1
+
+    def sample(
+        self, outs: list[Tensor], base: Distribution, keys: list[Tensor], index: int
+    ) -> list[Tensor]:
+        if self.index < 0:
+            return super().sample(outs, base, keys, index)
+        key = (self.index, index)
+        if key not in self.frozen:
+            self.frozen[key] = [xi.clone() for xi in super().sample(outs, base, keys, index)]
+        return self.frozen[key]
+
+
+def _optimizer(
+    model: torch.nn.Module, noise: str, samples: int, data_size: int, seed: int
+) -> lgb.MultiplicativeBLR:
     weight = first_layer(model)
-    noise = {"noise": "table", "table_size": 2 * weight.numel()} if frozen else {}
+    table = {"noise": "table", "table_size": 2 * weight.numel()} if noise == "one-draw" else {}
     opt = lgb.MultiplicativeBLR(
         model.parameters(),
         lr=50.0,
         momentum=0.9,
         temperature=0.006,
-        data_size=len(data.train_y),
+        data_size=data_size,
         mc_samples=samples,
         seed=seed,
-        **noise,
+        **table,  # type: ignore[arg-type]
     )
+    if noise == "per-sample":
+        opt.noise_source = PerSampleNoise(seed)
+    return opt
+
+
+def run(
+    noise: str, widths: list[int], passes: int, samples: int, seed: int
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Train the network; one row of first-layer log-g⁺ and |θ| statistics per pass, and the
+    final test metrics and sparsity."""
+    torch.manual_seed(seed)
+    data = load_dataset("mnist5k", "data")
+    model = build_model("mlp", (1, 28, 28), 10, widths=widths, activation="tanh")
+    weight = first_layer(model)
+    opt = _optimizer(model, noise, samples, len(data.train_y), seed)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda e: 0.5 * (1 + math.cos(math.pi * e / passes))
     )
     log_g0 = opt.group_element(weight)["g+"].log()
     rng, rows = torch.Generator().manual_seed(seed), []
-    label = "frozen" if frozen else "fresh"
-    for epoch in tqdm(range(passes), desc=f"{label} noise", leave=False):
+    for epoch in tqdm(range(passes), desc=f"{noise} noise", leave=False):
         for x, y in train_batches(data, 50, rng, torch.device("cpu")):
 
-            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            def closure(x: Tensor = x, y: Tensor = y) -> Tensor:
                 opt.zero_grad()
                 loss = cross_entropy(model(x), y)
                 loss.backward()
@@ -85,7 +134,31 @@ def run(
                 "share above 10 median": (theta > 10 * median).double().mean().item(),
             }
         )
-    return rows
+    return rows, _final(model, opt, data)
+
+
+def _final(model: torch.nn.Module, opt: lgb.MultiplicativeBLR, data: Any) -> dict[str, float]:
+    """Test accuracy / NLL / ECE at g and for 32 fresh samples; first-layer sparsity."""
+    test = test_batches(data, 500, torch.device("cpu"))
+    inputs, labels = [x for x, _ in test], torch.cat([y for _, y in test])
+    final: dict[str, float] = {}
+    for name, optimizer in (("g", None), ("avg", opt)):
+        log_probs = predictive.predictive_log_probs(model, inputs, optimizer, 32)
+        for metric, value in predictive.metrics(log_probs, labels).items():
+            final[f"{metric} {name}"] = value
+    measures = sparsity(first_layer(model))
+    final["hoyer"], final["below 1e-3 max"] = measures["hoyer"], measures["near_zero_max"]
+    return final
+
+
+def _table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    keys = [k for k in rows[0][1] if k != "pass"]
+    lead = ["noise", "pass"] if "pass" in rows[0][1] else ["noise"]
+    lines = ["| " + " | ".join(lead + keys) + " |", "|---|" + "---:|" * (len(lead) - 1 + len(keys))]
+    for noise, row in rows:
+        cells = [noise] + ([str(row["pass"])] if "pass" in row else [])
+        lines.append("| " + " | ".join(cells + [f"{row[k]:.4g}" for k in keys]) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,22 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=26)
     parser.add_argument("--samples", type=int, default=4, help="MC samples per step")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", nargs="+", choices=NOISES, default=list(NOISES))
     args = parser.parse_args(argv)
     if args.passes < 1 or args.samples < 1:
         parser.error("--passes and --samples must be >= 1")
-    results = {
-        frozen: run(frozen, args.widths, args.passes, args.samples, args.seed)
-        for frozen in (False, True)
-    }
-    keys = list(results[False][0])[1:]
-    print("| noise | pass | " + " | ".join(keys) + " |")
-    print("|---|---:|" + "---:|" * len(keys))
+    results = {n: run(n, args.widths, args.passes, args.samples, args.seed) for n in args.noise}
     shown = sorted({1, args.passes // 4, args.passes // 2, args.passes} - {0})
-    for frozen, rows in results.items():
-        for row in rows:
-            if row["pass"] in shown:
-                cells = " | ".join(f"{row[k]:.4g}" for k in keys)
-                print(f"| {'frozen' if frozen else 'fresh'} | {row['pass']} | {cells} |")
+    walks = [(n, row) for n, (rows, _) in results.items() for row in rows if row["pass"] in shown]
+    print("\n".join(_table(walks)) + "\n")
+    print("\n".join(_table([(n, final) for n, (_, final) in results.items()])))
     return 0
 
 

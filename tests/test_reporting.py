@@ -218,3 +218,44 @@ def test_compare_seeds_flag_overrides_the_config(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["sgd"]["seeds"] == [5]
     assert compare.main([str(path), "--out", str(tmp_path / "bad"), "--seeds", "a"]) == 2
+
+
+def test_per_sample_noise_repeats_the_reference_draws() -> None:
+    """The reference code's noise: the s-th training sample of every step reads the same ξ,
+    different samples differ, and samples outside training are fresh."""
+    from experiments.log_g_walk import PerSampleNoise
+    from liegroup_blr.distributions import Rayleigh
+
+    source, key, base = PerSampleNoise(seed=3), torch.zeros(5), Rayleigh(1.0)
+
+    def draw(train: bool) -> torch.Tensor:
+        source.start_sample(train)
+        return source.sample([torch.empty(2, 5)], base, [key], 0)[0].clone()
+
+    steps = []
+    for _ in range(3):
+        steps.append([draw(True) for _ in range(2)])
+        source.end_step()
+    for later in steps[1:]:
+        for first, again in zip(steps[0], later, strict=True):
+            assert torch.equal(first, again)
+    assert not torch.equal(steps[0][0], steps[0][1])
+    fresh = [draw(False) for _ in range(2)]
+    assert not any(torch.equal(f, s) for f in fresh for s in steps[0])
+    assert not torch.equal(fresh[0], fresh[1])
+
+
+@pytest.mark.filterwarnings("ignore:MultiplicativeBLR. non-finite:RuntimeWarning")
+def test_log_g_walk_runs_each_noise_and_reports_final_metrics(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A width-8 network at α = 50 skips steps under one-draw noise (a tiny frozen ξ needs a
+    huge g): the skips are expected, the report must still come out."""
+    from experiments import log_g_walk
+
+    pytest.importorskip("mlxtend")
+    assert log_g_walk.main(["--widths", "8", "--passes", "1", "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    for noise in log_g_walk.NOISES:
+        assert out.count(f"| {noise} |") == 2  # one walk row (pass 1), one final row
+    assert "accuracy g" in out and "nll avg" in out and "hoyer" in out
