@@ -9,6 +9,8 @@ and interleaved:
   fastest sampler for that distribution (target: full step ≤ 1.15 × L);
 * the update arithmetic alone, without the draw, forward or backward (targets: ≤ 2.0 ×
   Adam(foreach)'s ``step`` eager, ≤ 1.6 × compiled);
+* two floors of the multiplicative update: all of it (one sample) in one compiled loop per
+  parameter, and ``torch.exp`` alone over its 2P values;
 * the generic autodiff rule on the diagonal affine group against the specialised
   :class:`~liegroup_blr.AffineBLR` (also on the 64-16-10 MLP of the 8×8 digits).
 
@@ -172,6 +174,46 @@ def _noise_draw(rule: str, params: list[Tensor]) -> Callable[[], None]:
     return fastest
 
 
+def _fused_multiplicative(
+    noise: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    elements: list[Tensor],
+    params: list[Tensor],
+    lr: Tensor,
+) -> None:
+    """The whole one-sample multiplicative update as one loop per parameter (what a single
+    compiled kernel can reach): acc = ±∇ℓ̄ ⊙ gξ − τ/N, M ← βM + (1−β)acc, g ← g e^{−αM}
+    clamped, θ ← g⁺ − g⁻; reads gξ, ∇ℓ̄, M, g and writes M, g, θ (12 parameter-sized
+    tensors). No finiteness check: a floor, not a rule."""
+    info = torch.finfo(torch.float32)
+    for w, grad, m, g, p in zip(noise, grads, momenta, elements, params, strict=True):
+        sign = torch.tensor([1.0, -1.0], device=w.device).view(2, *[1] * grad.ndim)
+        moved = torch.lerp(w * grad * sign - 0.006 / DATA_SIZE, m, 0.9)
+        new = (g * torch.exp(moved * -lr)).clamp(info.tiny, info.max)
+        m.copy_(moved)
+        g.copy_(new)
+        torch.sub(new[0], new[1], out=p)
+
+
+def _floors(params: list[Tensor]) -> dict[str, Callable[[], None]]:
+    """The multiplicative update in one compiled kernel, and ``torch.exp`` over its 2P values."""
+    two = [torch.rand(2, *p.shape) for p in params]
+    grads = [torch.randn_like(p) for p in params]
+    state = [[torch.rand_like(t) for t in two] for _ in range(3)]  # gξ, M, g
+    outs = [torch.empty_like(p) for p in params]
+    fused, lr = torch.compile(_fused_multiplicative, fullgraph=True), torch.tensor(1e-3)
+
+    def fused_update() -> None:
+        fused(state[0], grads, state[1], state[2], outs, lr)
+
+    def exp_only() -> None:
+        for m, out in zip(state[1], two, strict=True):
+            torch.exp(m, out=out)
+
+    return {"fused multiplicative": fused_update, "exp over 2P": exp_only}
+
+
 def run(model_name: str, rounds: int, steps: int) -> None:
     model, x, y = _model(model_name)
     opts = _optimizers(model)
@@ -181,6 +223,7 @@ def run(model_name: str, rounds: int, steps: int) -> None:
     arithmetic = {name: _arithmetic(opt) for name, (_, opt) in opts.items()}
     draws = {rule: _noise_draw(rule, params) for rule in ("additive", "multiplicative")}
     draws["affine"] = draws["additive"]
+    floors = _floors(params)
 
     times: dict[str, list[float]] = {}
     for _ in range(rounds + 1):  # the first round warms up and is dropped
@@ -192,6 +235,8 @@ def run(model_name: str, rounds: int, steps: int) -> None:
             )
         for rule, draw in draws.items():
             times.setdefault(f"draw:{rule}", []).append(_mean_time(draw, steps))
+        for name, floor in floors.items():
+            times.setdefault(f"floor:{name}", []).append(_mean_time(floor, steps))
     med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
 
     print(f"\n== {model_name}: {n_params:,} parameters, batch {BATCH}, mc 1 ==")
@@ -209,6 +254,9 @@ def run(model_name: str, rounds: int, steps: int) -> None:
         else:
             extra = f"{'':>8}{'':>7}"
         print(f"{name:<26}{f:>9.2f}{f / sgd:>8.2f}{extra}{a:>10.2f}{a / adam:>8.2f}")
+    for name in floors:
+        ratio = med[f"floor:{name}"] / adam
+        print(f"floor, {name}: {med[f'floor:{name}']:.2f} ms, {ratio:.2f} × Adam's step")
     for mode in ("", " (compiled)"):
         ratio = med[f"full:generic affine{mode}"] / med[f"full:affine{mode}"]
         print(f"generic ÷ specialised affine rule{mode}, full step: {ratio:.2f}")
