@@ -63,15 +63,16 @@ def generic_propose(
     preconditioners: list[Callable[[Tensor], Tensor]],
     n: int,
     beta: float,
+    entropy_weight: float,
     lr: float | Tensor,
 ) -> list[Tensor]:
     """acc ← β M + (1 − β) P(acc/n − (τ/N)∇H); returns the proposed g·exp(−α acc).
-    ``entropy`` holds (τ/N)∇H per tensor, or ``None`` where τ = 0."""
+    ``entropy`` holds ∇H per tensor, ``None`` where the weight τ/N is 0."""
     proposals = []
     for acc, m, g, h, precondition in zip(
         accs, momenta, elements, entropy, preconditioners, strict=True
     ):
-        X = acc / n if h is None else acc / n - h
+        X = acc / n if h is None else torch.sub(acc / n, h, alpha=entropy_weight)
         acc.copy_(torch.lerp(precondition(X), m, beta))
         proposals.append(G.step(g, acc * -lr))
     return proposals
@@ -236,10 +237,11 @@ class LieGroupBLR(BLROptimizer):
             accs,
             self._gather(params, "momentum"),
             elements,
-            [self._entropy_gradient(group, p) * weight if weight else None for p in params],
+            [self._entropy_gradient(group, p) if weight else None for p in params],
             [self._precondition(group, p) for p in params],
             n,
             group["momentum"],
+            weight,
             self._rate(group),
         )
         for p, proposal in zip(params, proposals, strict=True):
@@ -270,12 +272,20 @@ class LieGroupBLR(BLROptimizer):
         r""":math:`\nabla_X \log|\det J_{g \exp X}|` at 0, the same for every g: the Jacobian of
         the action does not depend on ξ, so :math:`\log|\det J_{gh}| = \log|\det J_g| +
         \log|\det J_h|`; computed once at the identity per param group and shape."""
+        G = self._group_of(group)
+        return self._cached(
+            "entropy",
+            group,
+            p,
+            lambda: entropy_gradient(G, G.identity(p.shape, dtype=state_dtype(p), device=p.device)),
+        )
+
+    def _cached(self, kind: str, group: dict[str, Any], p: Tensor, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per kind, param group and ``p``'s shape, dtype and device."""
         index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        key = ("entropy", index, p.shape, p.dtype, p.device)
+        key = (kind, index, p.shape, p.dtype, p.device)
         if key not in self._metrics:
-            G = self._group_of(group)
-            e = G.identity(p.shape, dtype=state_dtype(p), device=p.device)
-            self._metrics[key] = entropy_gradient(G, e)
+            self._metrics[key] = make()
         return self._metrics[key]
 
     # ------------------------------------------------------ preconditioning
@@ -286,15 +296,14 @@ class LieGroupBLR(BLROptimizer):
             return _identity
         if callable(spec):
             return spec
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        key = (index, p.shape)
-        if key not in self._metrics:
+
+        def make() -> Callable[[Tensor], Tensor]:
             if isinstance(spec, str):  # "fisher", from its own draws: a copy or resume agrees
                 generator = torch.Generator().manual_seed(self.seed)
-                self._metrics[key] = inverse_metric(G, group["base"], p.shape, generator=generator)
-            else:
-                self._metrics[key] = partial(_scale_components, factors=component_factors(spec, G))
-        return self._metrics[key]
+                return inverse_metric(G, group["base"], p.shape, generator=generator)
+            return partial(_scale_components, factors=component_factors(spec, G))
+
+        return self._cached("preconditioner", group, p, make)
 
 
 def _identity(X: Tensor) -> Tensor:
