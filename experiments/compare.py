@@ -14,7 +14,6 @@ resolved run config, ``DIR/learning_curves.png`` the test curves and
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -299,10 +298,7 @@ def _compare(
         for label, runs in per_seed.items()
     }
     histories = {
-        f"{label} (seed {seed})": [
-            json.loads(line)
-            for line in (out / label / f"seed{seed}" / METRICS).read_text().splitlines()
-        ]
+        f"{label} (seed {seed})": runfiles.read_jsonl(out / label / f"seed{seed}" / METRICS)
         for label in configs
         for seed in seed_names
     }
@@ -312,8 +308,8 @@ def _compare(
     figures.weight_magnitudes(
         weights, out / "weight_magnitudes.png", NEAR_ZERO * init_scale(first_weight)
     )
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "report.md").write_text(report(configs, results, out) + "\n")
+    runfiles.write_json(out / "results.json", results)
+    runfiles.write_text(out / "report.md", report(configs, results, out) + "\n")
     return results
 
 
