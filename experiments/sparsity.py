@@ -1,7 +1,7 @@
 """Sparsity of first-layer weights (filters).
 
 A layer's weight tensor ``(F, ...)`` holds F filters of n = numel/F entries each (n is the
-fan-in). Three views, because each alone misleads:
+fan-in). Four views, because each alone misleads:
 
 - ``max_abs`` max|w| and ``median_abs`` median|w|: the scale of the largest and of a
   typical weight;
