@@ -114,7 +114,7 @@ def _sequential(
         opt.zero_grad()
         loss = loss_fn(model(xs[j % len(xs)]), ys[j % len(ys)])
         loss.backward()
-        opt.accumulate(sample)
+        opt.accumulate(sample, defer=True)
         losses.append(loss.detach())
     return losses
 
@@ -148,6 +148,6 @@ def _vectorised(
         grads, values = per_sample(stacked, xs[index], ys[index])
         for i, sample in enumerate(samples):  # accumulate each as the sequential loop does
             by_param: dict[Tensor, Tensor] = {p: grads[n][i] for n, p in trained.items()}
-            opt.accumulate(sample, [by_param.get(p) for p in sample.params])
+            opt.accumulate(sample, [by_param.get(p) for p in sample.params], defer=True)
         losses += list(values.detach())
     return losses

@@ -21,20 +21,23 @@ from liegroup_blr.optim.additive import (
 )
 from liegroup_blr.optim.affine import (
     affine_accumulate,
-    affine_commit,
     affine_commit_,
     affine_draw,
+    affine_move,
     affine_propose,
+    affine_update,
 )
+from liegroup_blr.optim.base import all_finite
 from liegroup_blr.optim.multiplicative import (
     multiplicative_accumulate,
     multiplicative_commit,
     multiplicative_commit_,
     multiplicative_draw,
     multiplicative_propose,
+    multiplicative_update,
 )
 
-from .test_optim import DTYPE, closure_for, make_problem, snapshot
+from .test_optim import DTYPE, FACTORIES, closure_for, make_problem, snapshot
 
 SHAPE = (4, 3)
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +60,9 @@ def test_additive_kernels_follow_the_group():
     momentum_propose([acc], [mom], 2, 0.7)
     new_mom = torch.lerp(X / 2, mom, 0.7)
     torch.testing.assert_close(acc, new_mom)
+    deferred = torch.empty_like(acc)  # one sample, accumulated by the proposal itself
+    momentum_propose([deferred], [mom], 1, 0.7, [grad])
+    torch.testing.assert_close(deferred, torch.lerp(algebra_gradient(G, m, xi, grad), mom, 0.7))
     moved = m.clone()
     additive_commit([moved], [acc], [p], 0.3, None)
     torch.testing.assert_close(moved, G.step(m, -0.3 * new_mom))
@@ -82,6 +88,10 @@ def test_multiplicative_kernels_follow_the_group(n):
     multiplicative_propose([acc], [mom], n, beta, shift)
     new_mom = torch.lerp(X / n - shift, mom, beta)  # X̂ = algebra gradient − (τ/N)∇log|det|
     torch.testing.assert_close(acc, new_mom)
+    if n == 1:  # the sample accumulated by the proposal itself
+        deferred = torch.empty_like(g)
+        multiplicative_propose([deferred], [mom], n, beta, shift, ([w], [grads[0]]))
+        torch.testing.assert_close(deferred, new_mom)
     for functional in (True, False):  # compiled steps run the first, eager ones the second
         moved = g.clone()
         if functional:
@@ -92,9 +102,8 @@ def test_multiplicative_kernels_follow_the_group(n):
         torch.testing.assert_close(p, G.point_estimate(moved))
 
 
-@pytest.mark.parametrize("zero_scale_momentum", [False, True])
-def test_affine_kernels_follow_the_group(zero_scale_momentum):
-    """With α₁ = α₂ the commit is g·exp(−αM); M_U = 0 takes the limit φ(0) = 1."""
+def test_affine_kernels_follow_the_group():
+    """With α₁ = α₂ the commit is g·exp(−αM)."""
     G, gen = DiagonalAffineGroup(), torch.Generator().manual_seed(2)
     g = torch.stack((_randn(*SHAPE, gen=gen).abs() + 0.2, _randn(*SHAPE, gen=gen)))
     mom = 0.1 * _randn(2, *SHAPE, gen=gen)
@@ -110,23 +119,21 @@ def test_affine_kernels_follow_the_group(zero_scale_momentum):
     betas = torch.tensor([0.9, 0.6], dtype=DTYPE).view(2, 1, 1)
     new_mom = torch.lerp(X - torch.tensor([0.02, 0.0], dtype=DTYPE).view(2, 1, 1), mom, betas)
     torch.testing.assert_close(acc, new_mom)
-    if zero_scale_momentum:
-        acc[0] = 0.0
-    for functional in (True, False):
-        moved = g.clone()
-        if functional:
-            affine_commit([moved], [acc], [p], 0.3, 0.3, None)
-        else:
-            affine_commit_([moved], [acc], [torch.empty_like(g)], [p], 0.3, 0.3, None)
-        torch.testing.assert_close(moved, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
-        torch.testing.assert_close(p, moved[1])
+    deferred = torch.empty_like(g)  # the sample accumulated by the proposal itself
+    affine_propose([deferred], [mom], 1, (0.9, 0.6), 0.02, ([noise], [grad], [g]))
+    torch.testing.assert_close(deferred, new_mom)
+    moved = g.clone()
+    affine_commit_([moved], [acc], [torch.empty_like(g)], [p], 0.3, 0.3, None)
+    torch.testing.assert_close(moved, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(p, moved[1])
 
 
 @pytest.mark.parametrize("functional", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_affine_commit_with_two_step_sizes_is_the_documented_update(functional, dtype):
     """b ← b + A M_V (e^{−α₁M_U} − 1)/M_U and A ← A e^{−α₂M_U} (DESIGN, affine group), in
-    the functional form (compiled steps) and the in-place form (eager steps) alike."""
+    the functional form (compiled steps) and the in-place form (eager steps) alike, at and
+    near the limit φ(0) = 1."""
     gen = torch.Generator().manual_seed(3)
     A, b = _randn(*SHAPE, gen=gen).abs() + 0.2, _randn(*SHAPE, gen=gen)
     mom = 0.3 * _randn(2, *SHAPE, gen=gen)
@@ -134,14 +141,66 @@ def test_affine_commit_with_two_step_sizes_is_the_documented_update(functional, 
     g, p = torch.stack((A, b)).to(dtype), torch.empty(SHAPE, dtype=dtype)
     a1, a2 = 0.7, 0.05
     if functional:
-        affine_commit([g], [mom.to(dtype)], [p], a1, a2, None)
+        g = torch.stack(affine_move(g, *mom.to(dtype), a1, a2))
     else:
         affine_commit_([g], [mom.to(dtype)], [torch.empty_like(g)], [p], a1, a2, None)
+        torch.testing.assert_close(p, g[1])
     u, v = mom
     phi = torch.where(u == 0, 1.0, torch.expm1(-a1 * u) / (-a1 * u))
     torch.testing.assert_close(g[1], (b - a1 * A * v * phi).to(dtype))
     torch.testing.assert_close(g[0], (A * torch.exp(-a2 * u)).to(dtype))
-    torch.testing.assert_close(p, g[1])
+
+
+def _update_inputs(kind, n, gen):
+    """Element, momentum, accumulator (n samples) and a deferred sample of one parameter."""
+    g = _randn(2, *SHAPE, gen=gen).abs() + 0.2
+    if kind == "affine":
+        g[1] = _randn(*SHAPE, gen=gen)
+    mom, acc = 0.1 * _randn(2, *SHAPE, gen=gen), n * _randn(2, *SHAPE, gen=gen)
+    noise, grad = _randn(*SHAPE, gen=gen), _randn(*SHAPE, gen=gen)
+    if kind == "multiplicative":
+        noise = _randn(2, *SHAPE, gen=gen)  # (w⁺, −w⁻)
+    return g, mom, acc, noise, grad
+
+
+@pytest.mark.parametrize("kind", ["multiplicative", "affine"])
+@pytest.mark.parametrize("n, deferred", [(1, False), (3, False), (1, True)])
+@pytest.mark.parametrize("mean", [None, 1.3])
+def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean):
+    """``*_update`` (what compile=True runs, here uncompiled) writes the momentum, the moved
+    element (into ``out``, the element left as it was) and θ as the eager propose + commit,
+    and returns the momentum's sums."""
+    g, mom, acc, noise, grad = _update_inputs(kind, n, torch.Generator().manual_seed(5))
+    lr, scale_lr, beta, shift = 0.3, 0.05, 0.8, 0.02
+    if kind == "multiplicative":
+        sample = ([noise], [grad]) if deferred else None
+        eager_propose = lambda a: multiplicative_propose([a], [mom], n, beta, shift, sample)  # noqa: E731
+        eager_commit = lambda e, a, p: multiplicative_commit_(  # noqa: E731
+            [e], [a], [torch.empty_like(a)], [p], lr, True, mean
+        )
+        update = lambda a, out, p: multiplicative_update(  # noqa: E731
+            [a], [mom], [g], [out], [p], (n, beta, shift, lr, True, mean), sample
+        )
+    else:
+        sample = ([noise], [grad], [g]) if deferred else None
+        betas = (0.9, beta)
+        eager_propose = lambda a: affine_propose([a], [mom], n, betas, shift, sample)  # noqa: E731
+        eager_commit = lambda e, a, p: affine_commit_(  # noqa: E731
+            [e], [a], [torch.empty_like(a)], [p], lr, scale_lr, mean
+        )
+        update = lambda a, out, p: affine_update(  # noqa: E731
+            [a], [mom], [g], [out], [p], (n, betas, shift, lr, scale_lr, mean), sample
+        )
+    eager_acc, eager_g, eager_p = acc.clone(), g.clone(), torch.empty(SHAPE, dtype=DTYPE)
+    eager_propose(eager_acc)
+    eager_commit(eager_g, eager_acc, eager_p)
+    before, out, p = g.clone(), torch.empty_like(g), torch.empty(SHAPE, dtype=DTYPE)
+    (total,) = update(acc, out, p)
+    torch.testing.assert_close(acc, eager_acc)
+    torch.testing.assert_close(out, eager_g)
+    torch.testing.assert_close(p, eager_p)
+    torch.testing.assert_close(total, acc.sum())
+    assert torch.equal(g, before)
 
 
 def test_no_private_optimizer_access_outside_the_optimizer_package():
@@ -196,3 +255,55 @@ def test_sample_protocol_with_explicit_gradients_equals_the_closure_step(kind):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
         for key in s:
             torch.testing.assert_close(s[key], t[key], rtol=1e-12, atol=1e-14)
+
+
+def _sampled_backward(opt, model, x, y):
+    sample = opt.draw(train=True)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    return sample
+
+
+@pytest.mark.parametrize("kind", FACTORIES)
+@pytest.mark.parametrize("samples", [1, 2])
+def test_deferred_accumulation_equals_immediate(kind, samples):
+    """accumulate(..., defer=True) holds the gradients (``p.grad`` may be set to None before
+    the step) and reads them at the next draw or in the update: the same steps as
+    accumulating at once."""
+    runs = []
+    for defer in (False, True):
+        model, x, y = make_problem()
+        opt = FACTORIES[kind](model.parameters(), seed=3, temperature=0.5)
+        for _ in range(3):
+            for _ in range(samples):
+                opt.accumulate(_sampled_backward(opt, model, x, y), defer=defer)
+            opt.zero_grad(set_to_none=True)
+            opt.step()
+        runs.append(snapshot(opt, model))
+    (params, states), (deferred_params, deferred_states) = runs
+    torch.testing.assert_close(deferred_params, params, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(deferred_states, states, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kind", ["additive", "multiplicative"])
+def test_gradient_changed_after_a_deferred_accumulate_raises_and_keeps_state(kind):
+    model, x, y = make_problem()
+    opt = FACTORIES[kind](model.parameters(), seed=0)
+    opt.step(closure_for(opt, model, x, y))
+    before = snapshot(opt, model)
+    opt.accumulate(_sampled_backward(opt, model, x, y), defer=True)
+    next(model.parameters()).grad.mul_(2.0)  # e.g. clipping after the sample was accumulated
+    with pytest.raises(RuntimeError, match="changed in place"):
+        opt.step()
+    assert opt.pending_samples == 0
+    after = snapshot(opt, model)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_all_finite_is_exact_when_a_sum_overflows():
+    big = torch.full((4,), 3e38)  # finite float32 values whose sum is inf
+    assert torch.isinf(big.sum())
+    assert all_finite([big])
+    assert all_finite([big], [big.sum()])
+    assert not all_finite([big, torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([float("-inf")])], [torch.tensor(float("-inf"))])

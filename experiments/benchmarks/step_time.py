@@ -119,7 +119,8 @@ def _full_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tenso
 def _arithmetic(opt: torch.optim.Optimizer) -> Callable[[], float]:
     """Seconds of the update alone: torch.optim's ``step`` on fixed gradients (IVON: after a
     sampled block that leaves them); for the Lie-group rules, accumulating one sample's algebra
-    gradient and the update (the draw that precedes them is excluded from the timing)."""
+    gradient and the update, as ``step(closure)`` does them (the sample deferred into the
+    update; the draw that precedes them is excluded from the timing)."""
     if isinstance(opt, ivon.IVON):
 
         def ivon_step() -> float:
@@ -142,7 +143,7 @@ def _arithmetic(opt: torch.optim.Optimizer) -> Callable[[], float]:
     def ours() -> float:
         sample = opt.draw(train=True)
         start = time.perf_counter()
-        opt.accumulate(sample)
+        opt.accumulate(sample, defer=True)
         opt.step()
         return time.perf_counter() - start
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributions import Distribution, Normal
 
 from ..groups import AdditiveGroup
-from .base import BLROptimizer
+from .base import BLROptimizer, Deferred, Proposal
 from .state import state_dtype
 
 __all__ = ["AdditiveBLR", "additive_accumulate", "additive_commit", "additive_draw"]
@@ -39,12 +39,20 @@ def additive_accumulate(accs: list[Tensor], grads: list[Tensor], first: bool) ->
             acc.add_(grad)
 
 
-def momentum_propose(accs: list[Tensor], momenta: list[Tensor], n: int, beta: float) -> None:
-    """acc ← β M + (1 − β) acc / n: the new momentum, in the accumulator."""
-    for acc, m in zip(accs, momenta, strict=True):
-        if n > 1:
-            acc.mul_(1.0 / n)
-        acc.lerp_(m, beta)
+def momentum_propose(
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    n: int,
+    beta: float,
+    grads: list[Tensor] | None = None,
+) -> None:
+    """acc ← β M + (1 − β) acc / n: the new momentum, in the accumulator; with the ``grads``
+    of a deferred sample, acc = their :func:`additive_accumulate` in the same pass."""
+    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
+        x = acc if grads is None else grads[i]
+        if n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
+            x = torch.mul(x, 1.0 / n, out=acc)
+        torch.lerp(x, m, beta, out=acc)
 
 
 def additive_commit(
@@ -149,10 +157,13 @@ class AdditiveBLR(BLROptimizer):
     def _accumulate(self, group, params, noise, grads, first) -> None:
         additive_accumulate(self._accumulators(params), grads, first)
 
-    def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
-        accs = self._accumulators(params)
-        self._kernel(momentum_propose)(accs, self._gather(params, "momentum"), n, group["momentum"])
-        return accs
+    def _propose(
+        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
+    ) -> Proposal:
+        accs, momenta = self._accumulators(params), self._gather(params, "momentum")
+        grads = None if sample is None else sample.grads
+        self._kernel(momentum_propose)(accs, momenta, n, group["momentum"], grads)
+        return Proposal(accs)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
         elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")

@@ -4,16 +4,20 @@ One step of every rule is the same loop; only four pieces of arithmetic differ p
 
     for s in 1..S:                      draw():       ξ_s ~ q0 (noise.NoiseSource), θ_s = g·ξ_s
         closure()                                     forward + backward at θ_s
-        accumulate(sample)                            acc += ∇_X ℓ̄(θ_s(X))|_{X=0}
+        accumulate(sample, defer=True)                acc += ∇_X ℓ̄(θ_s(X))|_{X=0}
     propose  M' = β M + (1 − β) P(acc/S − (τ/N)∇_X H)   (in the accumulator, in place)
     if M' is finite:  commit  M ← M',  g ← g·exp(−α M'),  θ ← point estimate
     else:             skip (state unchanged, RuntimeWarning)
 
+The first sample of a step is deferred: the next draw accumulates it or, in a one-sample
+step, the proposal itself does, in the same pass over the tensors.
+
 :class:`BLROptimizer` owns the loop, :meth:`~BLROptimizer.sampled_params`, the skip on
 non-finite values, the state dict (with the noise generators), gradient unscaling for
 ``torch.amp.GradScaler`` and the all-reduce over processes. A rule subclass supplies
-``_new_state`` (the initial element), ``_draw``, ``_accumulate``, ``_propose``, ``_commit``
-and ``_write_point``; each gathers tensor lists and calls its module's kernel functions.
+``_new_state`` (the initial element), ``_draw``, ``_accumulate``, ``_propose`` (given the
+deferred sample, if any), ``_commit`` and ``_write_point``; each gathers tensor lists and calls
+its module's kernel functions.
 """
 
 from __future__ import annotations
@@ -34,16 +38,24 @@ from .amp import inverse_scale, record_finite
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
 from .state import GroupStateOptimizer, state_dtype
 
-__all__ = ["BLROptimizer", "Sample", "all_finite", "state_dtype"]
+__all__ = ["BLROptimizer", "Deferred", "Proposal", "Sample", "all_finite", "state_dtype"]
 
 _POINT_ESTIMATES = ("g", "mean")
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def all_finite(tensors: Iterable[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (one host sync)."""
+def all_finite(tensors: Iterable[Tensor], sums: list[Tensor] | None = None) -> bool:
+    """Whether every entry of every tensor is finite (one host sync, two when a sum is not).
+
+    A finite sum has finite terms; a sum that is not finite (an infinite or NaN entry, or an
+    overflow of finite ones) is settled by the extremes, exactly. ``sums``: the tensors'
+    sums, if a kernel made them in its pass."""
+    tensors = list(tensors)
+    sums = [t.sum() for t in tensors] if sums is None else sums
+    if not sums or bool(torch.stack(sums).isfinite().all()):
+        return True
     extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
-    return not extremes or bool(torch.stack(extremes).isfinite().all())
+    return bool(torch.stack(extremes).isfinite().all())
 
 
 def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -54,13 +66,42 @@ def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @dataclass
+class Proposal:
+    """What must be finite for a step to go on: ``tensors`` (the new momenta, and any
+    proposed element), and their ``sums`` when the proposing kernel made them."""
+
+    tensors: list[Tensor]
+    sums: list[Tensor] | None = None
+
+
+@dataclass
+class Deferred:
+    """A sample of one param group whose accumulation waits for the next draw, accumulate or
+    proposal (:meth:`BLROptimizer.accumulate` with ``defer=True``)."""
+
+    params: list[Tensor]
+    noise: list[Tensor]
+    grads: list[Tensor]
+    versions: list[int]  # of the gradients: changed in place before they are read, an error
+
+    def check(self) -> None:
+        if any(g._version != v for g, v in zip(self.grads, self.versions, strict=True)):
+            raise RuntimeError(
+                "accumulate(..., defer=True): a gradient was changed in place before the "
+                "optimizer read it; the pending samples are discarded (change gradients "
+                "before accumulating them, or accumulate without defer)"
+            )
+
+
+@dataclass
 class Sample:
     """One posterior sample, as :meth:`BLROptimizer.draw` made it.
 
     Attributes:
         params: the sampled parameters (every trained parameter of every param group).
         theta: their sampled values θ = readout(g·ξ) (after ``draw``, the parameters themselves).
-        noise: per parameter, what the rule keeps of the draw to accumulate it (ξ, or g·ξ).
+        noise: per parameter, what the rule keeps of the draw to accumulate it (ξ, or a
+            product such as g·ξ).
     """
 
     params: list[Tensor]
@@ -83,7 +124,8 @@ class BLROptimizer(GroupStateOptimizer):
     Sample protocol (what :func:`~liegroup_blr.mc.mc_step` and custom loops use):
     :meth:`draw` writes a sample into the parameters and returns a :class:`Sample`;
     :meth:`accumulate` adds that sample's algebra gradient (from ``p.grad`` or given
-    gradients) to the pending step; :meth:`restore` writes the point estimates back;
+    gradients) to the pending step, at once or, with ``defer=True``, when the next sample is
+    drawn or accumulated or the step is taken; :meth:`restore` writes the point estimates back;
     :attr:`pending_samples` counts what :meth:`step` (without a closure) will average.
 
     Args:
@@ -161,6 +203,7 @@ class BLROptimizer(GroupStateOptimizer):
         self._consecutive_skips = 0
         self._scratch: dict[Tensor, dict[str, Tensor]] = {}
         self._pending: dict[Tensor, None] = {}  # parameters with accumulated samples
+        self._deferred: dict[int, Deferred] = {}  # by id of the param group
         self._samples = 0
         self._sampling = False
         super().__init__(params, defaults)
@@ -186,9 +229,12 @@ class BLROptimizer(GroupStateOptimizer):
         (``first``: overwrite them)."""
         raise NotImplementedError
 
-    def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor] | None:
-        """Turn the accumulators (n samples) into the new momenta, in place; return the
-        tensors that must be finite for the step to go on (``None``: reject the step)."""
+    def _propose(
+        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
+    ) -> Proposal | None:
+        """Turn the accumulators (n samples), and the deferred ``sample`` (not yet in them,
+        and then the only one: ``n = 1``), into the new momenta, in the accumulators; return
+        what must be finite for the step to go on (``None``: reject the step)."""
         raise NotImplementedError
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
@@ -198,6 +244,17 @@ class BLROptimizer(GroupStateOptimizer):
 
     def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
         return [self._scratch[p]["acc"] for p in params]
+
+    def _spares(self, params: list[Tensor]) -> list[Tensor]:
+        """Element-sized scratch buffers: a proposal moves the elements into them before
+        the finiteness check (:meth:`_commit` then swaps them in)."""
+        return [self._buffer(p, "spare", self.state[p]["element"].shape) for p in params]
+
+    def _swap(self, params: list[Tensor], key: str, scratch_key: str) -> None:
+        """Exchange ``state[p][key]`` and the scratch buffer ``scratch_key`` (by reference)."""
+        for p in params:
+            state, scratch = self.state[p], self._scratch[p]
+            state[key], scratch[scratch_key] = scratch[scratch_key], state[key]
 
     def _kernel(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
         """``kernel``, compiled under ``compile=True``."""
@@ -226,6 +283,7 @@ class BLROptimizer(GroupStateOptimizer):
         With ``train=True`` the sample is one of the next step's (antithetic pairing counts
         it); pass the result to :meth:`accumulate` once its gradients are known.
         """
+        self._settle()  # the draw rewrites the noise buffers a deferred sample reads
         self.noise_source.start_sample(train)
         sampled: list[Tensor] = []
         noise: list[Tensor] = []
@@ -242,14 +300,24 @@ class BLROptimizer(GroupStateOptimizer):
         return Sample(sampled, sampled, noise)
 
     @torch.no_grad()
-    def accumulate(self, sample: Sample, grads: list[Tensor | None] | None = None) -> None:
+    def accumulate(
+        self, sample: Sample, grads: list[Tensor | None] | None = None, *, defer: bool = False
+    ) -> None:
         """Add ``sample``'s algebra gradient to the pending step.
 
         Args:
             sample: from :meth:`draw` (or its :meth:`Sample.clone`).
             grads: ∇ℓ̄ at the sample per parameter of ``sample.params`` (default: each
                 ``p.grad``); parameters with no gradient are left out of this sample.
+            defer: keep references to the gradients and the sample's noise and read them
+                later: at the next :meth:`draw` or :meth:`accumulate`, or, for the first
+                sample of a step, in the update itself (a one-sample step then reads them
+                once instead of writing and re-reading an accumulator). What
+                :meth:`step` with a closure and :func:`~liegroup_blr.mc.mc_step` do. A
+                gradient changed in place before it is read raises ``RuntimeError``.
         """
+        self._settle()
+        defer = defer and not self._pending  # only the first sample of a step waits
         grads = [p.grad for p in sample.params] if grads is None else grads
         at = {p: i for i, p in enumerate(sample.params)}
         inv_scale = inverse_scale(self.grad_scaler)
@@ -272,9 +340,34 @@ class BLROptimizer(GroupStateOptimizer):
                     [sample.theta[i] for i in part],
                     inv_scale,
                 )
-                self._accumulate(group, params, [sample.noise[i] for i in part], total, first)
+                noise = [sample.noise[i] for i in part]
+                if defer:  # then every parameter is on its first sample
+                    versions = [t._version for t in total]
+                    self._deferred[id(group)] = Deferred(params, noise, total, versions)
+                else:
+                    self._accumulate(group, params, noise, total, first)
             self._pending.update(dict.fromkeys(sample.params[i] for i in idx))
         self._samples += 1
+
+    def _settle(self) -> None:
+        """Accumulate the deferred sample now (the first of its parameters)."""
+        if not self._deferred:
+            return
+        for group in self.param_groups:
+            sample = self._take_deferred(group)
+            if sample is not None:
+                self._accumulate(group, sample.params, sample.noise, sample.grads, True)
+
+    def _take_deferred(self, group: dict[str, Any]) -> Deferred | None:
+        """The deferred sample of ``group`` (removed from the pending ones), checked."""
+        sample = self._deferred.pop(id(group), None)
+        if sample is not None:
+            try:
+                sample.check()
+            except RuntimeError:
+                self.discard()
+                raise
+        return sample
 
     def _loss_gradients(
         self,
@@ -299,6 +392,7 @@ class BLROptimizer(GroupStateOptimizer):
         return out
 
     def _forget(self) -> None:
+        self._deferred.clear()
         self._pending.clear()
         self._samples = 0
         self.noise_source.end_step()
@@ -360,7 +454,7 @@ class BLROptimizer(GroupStateOptimizer):
                     sample = self.draw(train=True)
                     with torch.enable_grad():
                         value = closure()
-                    self.accumulate(sample)
+                    self.accumulate(sample, defer=True)
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
             except BaseException:
                 self.discard()
@@ -381,21 +475,22 @@ class BLROptimizer(GroupStateOptimizer):
         work = [(g, [p for p in self._active(g) if p in self._pending]) for g in self.param_groups]
         work = [(g, params) for g, params in work if params]
         if self.process_group is not None:
+            self._settle()
             accumulators = [a for _, params in work for a in self._accumulators(params)]
             n, finite = all_reduce_accumulators(accumulators, n, finite, self.process_group)
-        proposals: list[Tensor] = []
+        tensors: list[Tensor] = []
+        sums: list[Tensor] = []
         for group, params in work if finite else []:
-            proposed = self._propose(group, params, n)
-            if proposed is None:
+            proposal = self._propose(group, params, n, self._deferred_of(group, params))
+            if proposal is None:
                 finite = False
                 break
-            proposals += proposed
+            tensors += proposal.tensors
+            sums += proposal.sums or [t.sum() for t in proposal.tensors]
         moved: set[Tensor] = set()
-        if finite and all_finite(proposals):
+        if finite and all_finite(tensors, sums):
             for group, params in work:
-                for p in params:  # the proposal becomes the momentum; the old one, scratch
-                    state, scratch = self.state[p], self._scratch[p]
-                    state["momentum"], scratch["acc"] = scratch["acc"], state["momentum"]
+                self._swap(params, "momentum", "acc")  # the old momenta become scratch
                 self._commit(group, params)
                 moved.update(params)
         elif work:
@@ -408,6 +503,15 @@ class BLROptimizer(GroupStateOptimizer):
             rest = [p for p in self._active(group) if p not in moved and p in self.state]
             if rest:
                 self._write_point(group, rest)
+
+    def _deferred_of(self, group: dict[str, Any], params: list[Tensor]) -> Deferred | None:
+        """The deferred sample of ``group`` if it covers exactly ``params`` (else it is
+        accumulated, e.g. after a parameter was frozen between accumulate and step)."""
+        sample = self._take_deferred(group)
+        if sample is None or [id(p) for p in sample.params] == [id(p) for p in params]:
+            return sample
+        self._accumulate(group, sample.params, sample.noise, sample.grads, True)
+        return None
 
     def _skip(self) -> None:
         """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after

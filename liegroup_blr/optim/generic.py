@@ -22,7 +22,7 @@ from torch.distributions import Distribution
 
 from ..fisher import algebra_gradient, entropy_gradient, inverse_metric
 from ..groups import LieGroup
-from .base import BLROptimizer
+from .base import BLROptimizer, Deferred, Proposal
 from .state import state_dtype
 
 __all__ = ["LieGroupBLR", "Preconditioner"]
@@ -227,7 +227,11 @@ class LieGroupBLR(BLROptimizer):
             torch._foreach_zero_(accs)
         self._kernel(generic_accumulate)(G, accs, elements, noise, grads)
 
-    def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor] | None:
+    def _propose(
+        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
+    ) -> Proposal | None:
+        if sample is not None:
+            self._accumulate(group, params, sample.noise, sample.grads, True)
         G = self._group_of(group)
         weight = 0.0 if G.constant_entropy else group["temperature"]
         weight = weight / group["data_size"] if weight else 0.0
@@ -248,7 +252,7 @@ class LieGroupBLR(BLROptimizer):
             if not G.check_element(proposal)[0]:
                 return None
             self._scratch[p]["proposal"] = proposal
-        return accs + proposals
+        return Proposal(accs + proposals)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
         for p in params:

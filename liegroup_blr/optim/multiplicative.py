@@ -15,6 +15,7 @@ parameter under ``torch.compile``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,8 +25,7 @@ from torch.distributions import Distribution
 
 from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
-from .additive import momentum_propose
-from .base import BLROptimizer
+from .base import BLROptimizer, Deferred, Proposal, compiled
 from .checks import check_number
 from .state import state_dtype
 
@@ -36,9 +36,11 @@ __all__ = [
     "multiplicative_commit_",
     "multiplicative_draw",
     "multiplicative_propose",
+    "multiplicative_update",
 ]
 
 INITS = ("reference", "keep")
+LOG2E = math.log2(math.e)
 
 
 def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> None:
@@ -54,15 +56,18 @@ def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> N
 def multiplicative_draw(
     elements: list[Tensor], xi: list[Tensor], out: list[Tensor], params: list[Tensor], signed: bool
 ) -> None:
-    """w = g ⊙ ξ (into ``out``, kept for the accumulation), θ = w⁺ − w⁻."""
+    """θ = w⁺ − w⁻ with w = g ⊙ ξ; ``out`` keeps (w⁺, −w⁻) for the accumulation (the sign
+    of the − part's algebra gradient)."""
     for g, x, w, p in zip(elements, xi, out, params, strict=True):
         _readout(p, torch.mul(x, g, out=w), signed)
+        if signed:
+            w[1].neg_()
 
 
 def multiplicative_accumulate(
     accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], first: bool
 ) -> None:
-    """acc (+)= ∇ℓ̄_δ ⊙ g ⊙ ξ for both parts (the sign of the − part enters at the proposal)."""
+    """acc (+)= ∇ℓ̄_δ ⊙ (w⁺, −w⁻): the algebra gradient of one sample."""
     for acc, w, grad in zip(accs, noise, grads, strict=True):
         if first:
             torch.mul(w, grad, out=acc)
@@ -71,14 +76,21 @@ def multiplicative_accumulate(
 
 
 def multiplicative_propose(
-    accs: list[Tensor], momenta: list[Tensor], n: int, beta: float, shift: float
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    n: int,
+    beta: float,
+    shift: float,
+    sample: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> None:
-    """acc ← β M + (1 − β)(±acc/n − τ/N) for signed parameters (a (2, …) accumulator)."""
-    for acc, m in zip(accs, momenta, strict=True):
-        signs = torch.tensor([1.0 / n, -1.0 / n], dtype=acc.dtype, device=acc.device)
-        acc.mul_(signs.view(2, *[1] * (acc.ndim - 1)))
-        if shift:
-            acc.sub_(shift)
+    """acc ← β M + (1 − β)(acc/n − τ/N); with ``sample`` = (noise, grads) of a deferred
+    sample, acc = its :func:`multiplicative_accumulate` is made in the same pass."""
+    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
+        offset = acc.new_full((), -shift)
+        if sample is None:
+            torch.add(offset, acc, alpha=1.0 / n, out=acc)
+        else:
+            torch.addcmul(offset, sample[0][i], sample[1][i], value=1.0 / n, out=acc)
         acc.lerp_(m, beta)
 
 
@@ -89,16 +101,19 @@ def multiplicative_commit(
     lr: float | Tensor,
     signed: bool,
     mean: float | None,
+    out: list[Tensor] | None = None,
 ) -> None:
     """g ← clamp(g ⊙ e^{−α M}) to [tiny, max] of the dtype (positive and finite for any
-    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate.
+    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate;
+    e^x is computed as 2^{x log₂e} (exp2 is several times faster than exp on CPU).
 
-    The functional form, one tensor at a time: what ``compile=True`` runs (one fused kernel
-    per parameter). Eager steps run :func:`multiplicative_commit_`, its in-place twin."""
-    for g, m, p in zip(elements, momenta, params, strict=True):
+    The functional form, one tensor at a time (the moved elements into ``out``, default in
+    place): part of :func:`multiplicative_update`, what ``compile=True`` runs. Eager steps
+    run :func:`multiplicative_commit_`, its in-place twin."""
+    for i, (g, m, p) in enumerate(zip(elements, momenta, params, strict=True)):
         info = torch.finfo(g.dtype)
-        moved = (g * torch.exp(m * -lr)).clamp(info.tiny, info.max)
-        g.copy_(moved)
+        moved = (g * torch.exp2(m * (lr * -LOG2E))).clamp(info.tiny, info.max)
+        (g if out is None else out[i]).copy_(moved)
         _readout(p, moved, signed, mean)
 
 
@@ -115,9 +130,27 @@ def multiplicative_commit_(
     large temporaries cost page faults on every eager step)."""
     for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
         info = torch.finfo(g.dtype)
-        torch.mul(m, -lr, out=ws)
-        g.mul_(ws.exp_()).clamp_(info.tiny, info.max)
+        torch.mul(m, -lr * LOG2E, out=ws)
+        g.mul_(ws.exp2_()).clamp_(info.tiny, info.max)
         _readout(p, g, signed, mean)
+
+
+def multiplicative_update(
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    elements: list[Tensor],
+    out: list[Tensor],
+    params: list[Tensor],
+    hp: tuple[int, float, float, float | Tensor, bool, float | None],
+    sample: tuple[list[Tensor], list[Tensor]] | None = None,
+) -> list[Tensor]:
+    """:func:`multiplicative_propose` then :func:`multiplicative_commit` of the proposal into
+    ``out`` (``hp`` = n, β, τ/N, α, signed, E[ξ]), one fused kernel per parameter under
+    ``torch.compile``; returns each new momentum's sum (not finite if any entry is not)."""
+    n, beta, shift, lr, signed, mean = hp
+    multiplicative_propose(accs, momenta, n, beta, shift, sample)
+    multiplicative_commit(elements, accs, params, lr, signed, mean, out)
+    return [acc.sum() for acc in accs]
 
 
 class MultiplicativeBLR(BLROptimizer):
@@ -245,26 +278,29 @@ class MultiplicativeBLR(BLROptimizer):
     def _accumulate(self, group, params, noise, grads, first) -> None:
         multiplicative_accumulate(self._accumulators(params), noise, grads, first)
 
-    def _propose(self, group: dict[str, Any], params: list[Tensor], n: int) -> list[Tensor]:
+    def _propose(
+        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
+    ) -> Proposal:
         accs, momenta = self._accumulators(params), self._gather(params, "momentum")
         shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
-        if self.lie_group.signed:
-            self._kernel(multiplicative_propose)(accs, momenta, n, group["momentum"], shift)
-        else:  # X̂ = acc/n − τ/N
-            if shift:
-                torch._foreach_sub_(accs, shift * n)
-            self._kernel(momentum_propose)(accs, momenta, n, group["momentum"])
-        return accs
+        deferred = None if sample is None else (sample.noise, sample.grads)
+        if not self.compile:
+            multiplicative_propose(accs, momenta, n, group["momentum"], shift, deferred)
+            return Proposal(accs)
+        hp = (n, group["momentum"], shift, self._rate(group), self.lie_group.signed)
+        elements, spares = self._gather(params, "element"), self._spares(params)
+        kernel = compiled(multiplicative_update)
+        sums = kernel(accs, momenta, elements, spares, params, (*hp, self._mean(group)), deferred)
+        return Proposal(accs, sums)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        if self.compile:  # moved by the proposal
+            self._swap(params, "element", "spare")
+            return
         elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
+        work = self._accumulators(params)  # the old momenta: free
         signed, mean = self.lie_group.signed, self._mean(group)
-        if self.compile:
-            rate = self._rate(group)
-            self._kernel(multiplicative_commit)(elements, momenta, params, rate, signed, mean)
-        else:
-            work = self._accumulators(params)  # the old momenta: free
-            multiplicative_commit_(elements, momenta, work, params, group["lr"], signed, mean)
+        multiplicative_commit_(elements, momenta, work, params, group["lr"], signed, mean)
 
     def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
         mean, signed = self._mean(group), self.lie_group.signed
