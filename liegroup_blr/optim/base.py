@@ -85,6 +85,7 @@ class Deferred:
     versions: list[int]  # of the gradients: changed in place before they are read, an error
 
     def check(self) -> None:
+        """Raise ``RuntimeError`` if a gradient was changed in place since it was deferred."""
         if any(g._version != v for g, v in zip(self.grads, self.versions, strict=True)):
             raise RuntimeError(
                 "accumulate(..., defer=True): a gradient was changed in place before the "

@@ -287,10 +287,12 @@ class MultiplicativeBLR(BLROptimizer):
         if not self.compile:
             multiplicative_propose(accs, momenta, n, group["momentum"], shift, deferred)
             return Proposal(accs)
-        hp = (n, group["momentum"], shift, self._rate(group), self.lie_group.signed)
+        signed, mean = self.lie_group.signed, self._mean(group)
+        hp = (n, group["momentum"], shift, self._rate(group), signed, mean)
         elements, spares = self._gather(params, "element"), self._spares(params)
-        kernel = compiled(multiplicative_update)
-        sums = kernel(accs, momenta, elements, spares, params, (*hp, self._mean(group)), deferred)
+        sums = compiled(multiplicative_update)(
+            accs, momenta, elements, spares, params, hp, deferred
+        )
         return Proposal(accs, sums)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
