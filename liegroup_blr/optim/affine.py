@@ -127,8 +127,8 @@ def affine_commit_(
         x, phi = ws[0], ws[1]
         torch.mul(m[0], -lr, out=x)
         torch.expm1(x, out=phi)
-        phi.div_(x).nan_to_num_(nan=1.0)  # inf/x (overflow) stays inf, clamped next
-        phi.clamp_(max=info.max).mul_(m[1])  # φ·M_V: finite factors, so never inf·0
+        phi.div_(x).nan_to_num_(nan=1.0, posinf=info.max)  # φ > 0: an overflow gives max
+        phi.mul_(m[1])  # φ·M_V: finite factors, so never inf·0
         g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)
         torch.mul(m[0], -scale_lr * LOG2E, out=x)
         g[0].mul_(x.exp2_()).clamp_(info.tiny, info.max)
