@@ -50,16 +50,21 @@ def run(make, model, x, y, steps, autocast=False):
     return opt
 
 
-@pytest.mark.parametrize("rule", RULES)
-def test_compiled_update_equals_eager_without_graph_breaks_or_recompiles(rule):
+@pytest.mark.parametrize(
+    "rule, samples", [*((rule, 1) for rule in RULES), ("multiplicative", 3), ("affine", 3)]
+)
+def test_compiled_update_equals_eager_without_graph_breaks_or_recompiles(rule, samples):
     """``compile=True`` runs the update as fullgraph graphs (a graph break would raise); with
-    recompile_limit 1 a recompilation on the changing (scheduled) lr would raise as well."""
+    recompile_limit 1 a recompilation on the changing (scheduled) lr would raise as well.
+    One sample is read by the update itself; three go through the accumulators."""
     model, x, y = make_problem(dtype=torch.float32)
     twin = copy.deepcopy(model)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1):
-        compiled = run(lambda ps: RULES[rule](ps, seed=0, compile=True), model, x, y, 6)
-    eager = run(lambda ps: RULES[rule](ps, seed=0), twin, x, y, 6)
+        compiled = run(
+            lambda ps: RULES[rule](ps, seed=0, mc_samples=samples, compile=True), model, x, y, 6
+        )
+    eager = run(lambda ps: RULES[rule](ps, seed=0, mc_samples=samples), twin, x, y, 6)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for key in ("element", "momentum"):
