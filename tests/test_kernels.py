@@ -307,3 +307,20 @@ def test_all_finite_is_exact_when_a_sum_overflows():
     assert all_finite([big], [big.sum()])
     assert not all_finite([big, torch.tensor([1.0, float("nan")])])
     assert not all_finite([torch.tensor([float("-inf")])], [torch.tensor(float("-inf"))])
+
+
+@pytest.mark.parametrize("kind", ["multiplicative", "affine"])
+def test_parameter_frozen_between_a_deferred_accumulate_and_the_step(kind):
+    """The deferred sample no longer matches the parameters the step updates: it is
+    accumulated instead, and the step equals the one with immediate accumulation."""
+    runs = []
+    for defer in (False, True):
+        model, x, y = make_problem()
+        opt = FACTORIES[kind](model.parameters(), seed=5, temperature=0.5)
+        opt.accumulate(_sampled_backward(opt, model, x, y), defer=defer)
+        model[0].bias.requires_grad_(False)
+        opt.step()
+        runs.append(snapshot(opt, model))
+    (params, states), (deferred_params, deferred_states) = runs
+    torch.testing.assert_close(deferred_params, params, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(deferred_states, states, rtol=1e-12, atol=1e-14)
