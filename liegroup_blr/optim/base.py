@@ -240,7 +240,8 @@ class BLROptimizer(GroupStateOptimizer):
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """Move the elements along the new momenta (``state["momentum"]``; the accumulators
-        now hold the old momenta and are free) and write the point estimates."""
+        now hold the old momenta and are free) and write the point estimates, or swap in
+        the elements the proposal already moved (:meth:`_spares`)."""
         raise NotImplementedError
 
     def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
