@@ -51,9 +51,16 @@ def run(make, model, x, y, steps, autocast=False):
 
 
 @pytest.mark.parametrize(
-    "rule, samples", [*((rule, 1) for rule in RULES), ("multiplicative", 3), ("affine", 3)]
+    "rule, samples, options",
+    [
+        *((rule, 1, {}) for rule in RULES),
+        ("multiplicative", 3, {}),
+        ("affine", 3, {}),
+        ("multiplicative", 1, {"signed": False}),
+        ("multiplicative", 1, {"point_estimate": "mean"}),
+    ],
 )
-def test_compiled_update_equals_eager_without_graph_breaks_or_recompiles(rule, samples):
+def test_compiled_update_equals_eager_without_graph_breaks_or_recompiles(rule, samples, options):
     """``compile=True`` runs the update as fullgraph graphs (a graph break would raise); with
     recompile_limit 1 a recompilation on the changing (scheduled) lr would raise as well.
     One sample is read by the update itself; three go through the accumulators."""
@@ -62,9 +69,13 @@ def test_compiled_update_equals_eager_without_graph_breaks_or_recompiles(rule, s
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=1):
         compiled = run(
-            lambda ps: RULES[rule](ps, seed=0, mc_samples=samples, compile=True), model, x, y, 6
+            lambda ps: RULES[rule](ps, seed=0, mc_samples=samples, compile=True, **options),
+            model,
+            x,
+            y,
+            6,
         )
-    eager = run(lambda ps: RULES[rule](ps, seed=0, mc_samples=samples), twin, x, y, 6)
+    eager = run(lambda ps: RULES[rule](ps, seed=0, mc_samples=samples, **options), twin, x, y, 6)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for key in ("element", "momentum"):

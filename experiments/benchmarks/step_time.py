@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 import liegroup_blr as lgb
 from experiments.models import CNN, MLP
-from liegroup_blr.optim.multiplicative import multiplicative_update
+from liegroup_blr.optim.multiplicative import multiplicative_update, parts
 
 BATCH = 50
 DATA_SIZE = 60_000
@@ -181,18 +181,19 @@ def _floors(params: list[Tensor]) -> dict[str, Callable[[], None]]:
     engine around it: gathering, the check, the swaps), and ``torch.exp2`` over its 2P
     values."""
     noise, momenta, elements, accs, spares = (
-        [torch.rand(2, *p.shape) for p in params] for _ in range(5)
+        parts([torch.rand(2, *p.shape) for p in params], True) for _ in range(5)
     )
     grads, outs = [torch.randn_like(p) for p in params], [torch.empty_like(p) for p in params]
     kernel = torch.compile(multiplicative_update, fullgraph=True)
-    hp = (1, 0.9, 0.006 / DATA_SIZE, torch.tensor(1e-3), True, None)
+    hp = (1, 0.9, 0.006 / DATA_SIZE, torch.tensor(1e-3), None)
 
     def kernel_only() -> None:
         kernel(accs, momenta, elements, spares, outs, hp, (noise, grads))
 
     def exp2_only() -> None:
         for m, out in zip(momenta, accs, strict=True):
-            torch.exp2(m, out=out)
+            for part, into in zip(m, out, strict=True):
+                torch.exp2(part, out=into)
 
     return {"multiplicative_update kernel": kernel_only, "exp2 over 2P": exp2_only}
 

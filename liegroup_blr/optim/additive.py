@@ -18,7 +18,8 @@ from torch import Tensor
 from torch.distributions import Distribution, Normal
 
 from ..groups import AdditiveGroup
-from .base import BLROptimizer, Deferred, Proposal
+from .base import BLROptimizer, Deferred
+from .kernels import Proposal
 from .state import state_dtype
 
 __all__ = ["AdditiveBLR", "additive_accumulate", "additive_commit", "additive_draw"]

@@ -24,9 +24,9 @@ from torch.distributions import Distribution, Normal
 
 from ..groups import DiagonalAffineGroup
 from ..groups.affine import exprel
-from .base import BLROptimizer, Deferred, Proposal, compiled
+from .base import BLROptimizer, Deferred
 from .checks import check_number
-from .multiplicative import LOG2E
+from .kernels import LOG2E, Parts, Proposal, compiled, parts
 from .state import state_dtype
 
 __all__ = [
@@ -98,12 +98,12 @@ def _point(p: Tensor, A: Tensor, b: Tensor, mean: float | None) -> None:
 
 
 def affine_move(
-    g: Tensor, u: Tensor, v: Tensor, lr: float | Tensor, scale_lr: float | Tensor
+    g: Tensor | Parts, u: Tensor, v: Tensor, lr: float | Tensor, scale_lr: float | Tensor
 ) -> tuple[Tensor, Tensor]:
     """(A e^{−α₂ u}, b − α₁ A v φ(−α₁ u)) for g = (A, b) (φ = :func:`~liegroup_blr.groups.
     affine.exprel`, exact at u = 0; e^x as 2^{x log₂e}, several times faster on CPU), both
     clamped to the finite range (A > 0) for any step."""
-    info = torch.finfo(g.dtype)
+    info = torch.finfo(g[0].dtype)
     phi = exprel((u * -lr).clamp(max=math.log(info.max)))
     b = (g[1] - g[0] * v * phi * lr).clamp(-info.max, info.max)
     A = (g[0] * torch.exp2(u * (scale_lr * -LOG2E))).clamp(info.tiny, info.max)
@@ -136,17 +136,18 @@ def affine_commit_(
 
 
 def affine_update(
-    accs: list[Tensor],
-    momenta: list[Tensor],
-    elements: list[Tensor],
-    out: list[Tensor],
+    accs: list[Parts],
+    momenta: list[Parts],
+    elements: list[Parts],
+    out: list[Parts],
     params: list[Tensor],
     hp: tuple[int, tuple[float, float], float, float | Tensor, float | Tensor, float | None],
-    sample: tuple[list[Tensor], list[Tensor], list[Tensor]] | None = None,
+    sample: tuple[list[Tensor], list[Tensor], list[Parts]] | None = None,
 ) -> list[Tensor]:
-    """:func:`affine_propose` and :func:`affine_move` into ``out`` in functional form (``hp``
-    = n, (β₂, β₁), τ/N, α₁, α₂, E[ξ]): what ``compile=True`` runs, one fused kernel per
-    parameter; returns each new momentum's sum (not finite if any entry is not)."""
+    """:func:`affine_propose` and :func:`affine_move` into ``out`` in functional form over the
+    rows of each tensor (:func:`~liegroup_blr.optim.kernels.parts`; ``hp`` = n, (β₂, β₁),
+    τ/N, α₁, α₂, E[ξ]): what ``compile=True`` runs, one loop per parameter; returns each new
+    momentum's sum (not finite if any entry is not)."""
     n, betas, shift, lr, scale_lr, mean = hp
     sums = []
     for i, (acc, m, g, o, p) in enumerate(zip(accs, momenta, elements, out, params, strict=True)):
@@ -309,8 +310,9 @@ class AffineBLR(BLROptimizer):
             return Proposal(accs)
         rate, mean = self._rate(group), self._mean(group)
         hp = (n, betas, shift, rate, rate * group["scale_ratio"], mean)
-        spares = self._spares(params)
-        sums = compiled(affine_update)(accs, momenta, elements, spares, params, hp, deferred)
+        tensors = (accs, momenta, elements, self._spares(params))
+        rows = None if sample is None else (sample.noise, sample.grads, parts(elements))
+        sums = compiled(affine_update)(*(parts(ts) for ts in tensors), params, hp, rows)
         return Proposal(accs, sums)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:

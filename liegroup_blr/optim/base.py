@@ -36,42 +36,12 @@ from ..groups import LieGroup
 from ..noise import NoiseSource
 from .amp import inverse_scale, record_finite
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
+from .kernels import Proposal, all_finite, compiled
 from .state import GroupStateOptimizer, state_dtype
 
-__all__ = ["BLROptimizer", "Deferred", "Proposal", "Sample", "all_finite", "state_dtype"]
+__all__ = ["BLROptimizer", "Deferred", "Sample", "state_dtype"]
 
 _POINT_ESTIMATES = ("g", "mean")
-_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
-
-
-def all_finite(tensors: Iterable[Tensor], sums: list[Tensor] | None = None) -> bool:
-    """Whether every entry of every tensor is finite (one host sync, two when a sum is not).
-
-    A finite sum has finite terms; a sum that is not finite (an infinite or NaN entry, or an
-    overflow of finite ones) is settled by the extremes, exactly. ``sums``: the tensors'
-    sums, if a kernel made them in its pass."""
-    tensors = list(tensors)
-    sums = [t.sum() for t in tensors] if sums is None else sums
-    if not sums or bool(torch.stack(sums).isfinite().all()):
-        return True
-    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
-    return bool(torch.stack(extremes).isfinite().all())
-
-
-def compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compile(kernel, fullgraph=True)``, made once per kernel and shared."""
-    if kernel not in _COMPILED:
-        _COMPILED[kernel] = torch.compile(kernel, fullgraph=True)
-    return _COMPILED[kernel]
-
-
-@dataclass
-class Proposal:
-    """What must be finite for a step to go on: ``tensors`` (the new momenta, and any
-    proposed element), and their ``sums`` when the proposing kernel made them."""
-
-    tensors: list[Tensor]
-    sums: list[Tensor] | None = None
 
 
 @dataclass

@@ -22,7 +22,8 @@ from torch.distributions import Distribution
 
 from ..fisher import algebra_gradient, entropy_gradient, inverse_metric
 from ..groups import LieGroup
-from .base import BLROptimizer, Deferred, Proposal
+from .base import BLROptimizer, Deferred
+from .kernels import Proposal
 from .state import state_dtype
 
 __all__ = ["LieGroupBLR", "Preconditioner"]

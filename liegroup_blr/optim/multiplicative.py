@@ -15,7 +15,6 @@ parameter under ``torch.compile``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,14 +24,14 @@ from torch.distributions import Distribution
 
 from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
-from .base import BLROptimizer, Deferred, Proposal, compiled
+from .base import BLROptimizer, Deferred
 from .checks import check_number
+from .kernels import LOG2E, Parts, Proposal, compiled, parts
 from .state import state_dtype
 
 __all__ = [
     "MultiplicativeBLR",
     "multiplicative_accumulate",
-    "multiplicative_commit",
     "multiplicative_commit_",
     "multiplicative_draw",
     "multiplicative_propose",
@@ -40,7 +39,6 @@ __all__ = [
 ]
 
 INITS = ("reference", "keep")
-LOG2E = math.log2(math.e)
 
 
 def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> None:
@@ -94,29 +92,6 @@ def multiplicative_propose(
         acc.lerp_(m, beta)
 
 
-def multiplicative_commit(
-    elements: list[Tensor],
-    momenta: list[Tensor],
-    params: list[Tensor],
-    lr: float | Tensor,
-    signed: bool,
-    mean: float | None,
-    out: list[Tensor] | None = None,
-) -> None:
-    """g ← clamp(g ⊙ e^{−α M}) to [tiny, max] of the dtype (positive and finite for any
-    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate;
-    e^x is computed as 2^{x log₂e} (exp2 is several times faster than exp on CPU).
-
-    The functional form, one tensor at a time (the moved elements into ``out``, default in
-    place): part of :func:`multiplicative_update`, what ``compile=True`` runs. Eager steps
-    run :func:`multiplicative_commit_`, its in-place twin."""
-    for i, (g, m, p) in enumerate(zip(elements, momenta, params, strict=True)):
-        info = torch.finfo(g.dtype)
-        moved = (g * torch.exp2(m * (lr * -LOG2E))).clamp(info.tiny, info.max)
-        (g if out is None else out[i]).copy_(moved)
-        _readout(p, moved, signed, mean)
-
-
 def multiplicative_commit_(
     elements: list[Tensor],
     momenta: list[Tensor],
@@ -126,8 +101,11 @@ def multiplicative_commit_(
     signed: bool,
     mean: float | None,
 ) -> None:
-    """:func:`multiplicative_commit` in place, in the free buffers ``work`` (no allocation:
-    large temporaries cost page faults on every eager step)."""
+    """g ← clamp(g ⊙ e^{−α M}) to [tiny, max] of the dtype (positive and finite for any
+    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate, in
+    place, in the free buffers ``work`` (no allocation: large temporaries cost page faults on
+    every eager step); e^x is computed as 2^{x log₂e} (exp2 is several times faster than exp
+    on CPU)."""
     for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
         info = torch.finfo(g.dtype)
         torch.mul(m, -lr * LOG2E, out=ws)
@@ -136,21 +114,34 @@ def multiplicative_commit_(
 
 
 def multiplicative_update(
-    accs: list[Tensor],
-    momenta: list[Tensor],
-    elements: list[Tensor],
-    out: list[Tensor],
+    accs: list[Parts],
+    momenta: list[Parts],
+    elements: list[Parts],
+    out: list[Parts],
     params: list[Tensor],
-    hp: tuple[int, float, float, float | Tensor, bool, float | None],
-    sample: tuple[list[Tensor], list[Tensor]] | None = None,
+    hp: tuple[int, float, float, float | Tensor, float | None],
+    sample: tuple[list[Parts], list[Tensor]] | None = None,
 ) -> list[Tensor]:
-    """:func:`multiplicative_propose` then :func:`multiplicative_commit` of the proposal into
-    ``out`` (``hp`` = n, β, τ/N, α, signed, E[ξ]), one fused kernel per parameter under
-    ``torch.compile``; returns each new momentum's sum (not finite if any entry is not)."""
-    n, beta, shift, lr, signed, mean = hp
-    multiplicative_propose(accs, momenta, n, beta, shift, sample)
-    multiplicative_commit(elements, accs, params, lr, signed, mean, out)
-    return [acc.sum() for acc in accs]
+    """:func:`multiplicative_propose` then :func:`multiplicative_commit_` of the proposal into
+    ``out`` (``hp`` = n, β, τ/N, α, E[ξ]), in functional form over the parts (g⁺, g⁻) or (g,)
+    of each tensor (:func:`~liegroup_blr.optim.kernels.parts`): what ``compile=True`` runs,
+    one loop per parameter; returns each new momentum's sum (not finite if any entry is
+    not)."""
+    n, beta, shift, lr, mean = hp
+    sums = []
+    for i, (acc, m, g, o, p) in enumerate(zip(accs, momenta, elements, out, params, strict=True)):
+        info, news, moved = torch.finfo(g[0].dtype), [], []
+        for j in range(len(g)):
+            x = acc[j] if sample is None else sample[0][i][j] * sample[1][i]
+            news.append(torch.lerp(x * (1.0 / n) - shift, m[j], beta))
+            moved.append((g[j] * torch.exp2(news[j] * (lr * -LOG2E))).clamp(info.tiny, info.max))
+        for j in range(len(g)):  # the writes after all reads: one loop under inductor
+            acc[j].copy_(news[j])
+            o[j].copy_(moved[j])
+        point = moved[0] - moved[1] if len(moved) == 2 else moved[0]
+        p.copy_(point if mean is None else point * mean)
+        sums.append(news[0].sum() + news[1].sum() if len(news) == 2 else news[0].sum())
+    return sums
 
 
 class MultiplicativeBLR(BLROptimizer):
@@ -287,11 +278,12 @@ class MultiplicativeBLR(BLROptimizer):
         if not self.compile:
             multiplicative_propose(accs, momenta, n, group["momentum"], shift, deferred)
             return Proposal(accs)
-        signed, mean = self.lie_group.signed, self._mean(group)
-        hp = (n, group["momentum"], shift, self._rate(group), signed, mean)
-        elements, spares = self._gather(params, "element"), self._spares(params)
+        signed = self.lie_group.signed
+        hp = (n, group["momentum"], shift, self._rate(group), self._mean(group))
+        tensors = (accs, momenta, self._gather(params, "element"), self._spares(params))
+        rows = None if sample is None else (parts(sample.noise, signed), sample.grads)
         sums = compiled(multiplicative_update)(
-            accs, momenta, elements, spares, params, hp, deferred
+            *(parts(ts, signed) for ts in tensors), params, hp, rows
         )
         return Proposal(accs, sums)
 
