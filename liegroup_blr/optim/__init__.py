@@ -2,8 +2,9 @@
 
 from .additive import AdditiveBLR
 from .affine import AffineBLR
-from .base import BLROptimizer, Sample
+from .base import BLROptimizer
 from .generic import LieGroupBLR
 from .multiplicative import MultiplicativeBLR
+from .sample import Sample
 
 __all__ = ["AdditiveBLR", "AffineBLR", "BLROptimizer", "LieGroupBLR", "MultiplicativeBLR", "Sample"]

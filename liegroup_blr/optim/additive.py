@@ -18,8 +18,9 @@ from torch import Tensor
 from torch.distributions import Distribution, Normal
 
 from ..groups import AdditiveGroup
-from .base import BLROptimizer, Deferred
+from .base import BLROptimizer
 from .kernels import Proposal
+from .sample import Deferred
 from .state import state_dtype
 
 __all__ = ["AdditiveBLR", "additive_accumulate", "additive_commit", "additive_draw"]

@@ -24,9 +24,10 @@ from torch.distributions import Distribution, Normal
 
 from ..groups import DiagonalAffineGroup
 from ..groups.affine import exprel
-from .base import BLROptimizer, Deferred
+from .base import BLROptimizer
 from .checks import check_number
 from .kernels import LOG2E, Parts, Proposal, compiled, parts
+from .sample import Deferred
 from .state import state_dtype
 
 __all__ = [

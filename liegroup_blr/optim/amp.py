@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["inverse_scale", "record_finite"]
+__all__ = ["inverse_scale", "record_finite", "scaler_found_inf"]
 
 
 def inverse_scale(scaler: torch.amp.GradScaler | None) -> float:
@@ -36,3 +36,17 @@ def record_finite(scaler: torch.amp.GradScaler | None, finite: bool) -> None:
     if scaler is None or not scaler.is_enabled():
         return
     scaler.unscale_(_Flag(finite))  # type: ignore[arg-type]
+
+
+def scaler_found_inf(optimizer: Any) -> bool:
+    """Whether ``GradScaler.step(optimizer)`` found inf/NaN gradients: it sets the
+    optimizer's ``grad_scale`` and ``found_inf`` before calling its ``step`` (for optimizers
+    with ``_step_supports_amp_scaling``)."""
+    state = vars(optimizer)
+    if state.get("grad_scale") is not None and optimizer.grad_scaler is None:
+        raise RuntimeError(
+            "GradScaler.step(optimizer): pass grad_scaler=scaler to the optimizer so each "
+            "sample's gradients are unscaled before they are accumulated"
+        )
+    found = state.get("found_inf")
+    return found is not None and bool(found.item())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,56 +33,16 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
-from .amp import inverse_scale, record_finite
+from .amp import inverse_scale, record_finite, scaler_found_inf
+from .checks import check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
-from .kernels import Proposal, all_finite, compiled
-from .state import GroupStateOptimizer, state_dtype
+from .kernels import Proposal, all_finite, loss_gradients
+from .sample import Deferred, Sample
+from .state import GroupStateOptimizer
 
-__all__ = ["BLROptimizer", "Deferred", "Sample", "state_dtype"]
+__all__ = ["BLROptimizer"]
 
 _POINT_ESTIMATES = ("g", "mean")
-
-
-@dataclass
-class Deferred:
-    """A sample of one param group whose accumulation waits for the next draw, accumulate or
-    proposal (:meth:`BLROptimizer.accumulate` with ``defer=True``)."""
-
-    params: list[Tensor]
-    noise: list[Tensor]
-    grads: list[Tensor]
-    versions: list[int]  # of the gradients: changed in place before they are read, an error
-
-    def check(self) -> None:
-        """Raise ``RuntimeError`` if a gradient was changed in place since it was deferred."""
-        if any(g._version != v for g, v in zip(self.grads, self.versions, strict=True)):
-            raise RuntimeError(
-                "accumulate(..., defer=True): a gradient was changed in place before the "
-                "optimizer read it; the pending samples are discarded (change gradients "
-                "before accumulating them, or accumulate without defer)"
-            )
-
-
-@dataclass
-class Sample:
-    """One posterior sample, as :meth:`BLROptimizer.draw` made it.
-
-    Attributes:
-        params: the sampled parameters (every trained parameter of every param group).
-        theta: their sampled values θ = readout(g·ξ) (after ``draw``, the parameters themselves).
-        noise: per parameter, what the rule keeps of the draw to accumulate it (ξ, or a
-            product such as g·ξ).
-    """
-
-    params: list[Tensor]
-    theta: list[Tensor]
-    noise: list[Tensor]
-
-    def clone(self) -> Sample:
-        """Copies of ``theta`` and ``noise``, to accumulate after further draws."""
-        return Sample(
-            self.params, [t.detach().clone() for t in self.theta], [n.clone() for n in self.noise]
-        )
 
 
 class BLROptimizer(GroupStateOptimizer):
@@ -122,7 +81,7 @@ class BLROptimizer(GroupStateOptimizer):
             skipped steps (default: never; every skip warns).
     """
 
-    _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see _found_inf
+    _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see amp.py
     lie_group: LieGroup
 
     def __init__(
@@ -144,8 +103,7 @@ class BLROptimizer(GroupStateOptimizer):
     ) -> None:
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples: must be an integer ≥ 1, got {mc_samples!r}")
+        check_count("mc_samples", mc_samples)
         if point_estimate not in _POINT_ESTIMATES:
             raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
         self.lie_group = group
@@ -162,13 +120,8 @@ class BLROptimizer(GroupStateOptimizer):
             antithetic=antithetic,
             table_size=table_size,
         )
-        limit = max_consecutive_skips
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
-        ):
-            raise ValueError(
-                f"max_consecutive_skips: must be a positive integer, got {max_consecutive_skips!r}"
-            )
+        if max_consecutive_skips is not None:
+            check_count("max_consecutive_skips", max_consecutive_skips)
         self.max_consecutive_skips = max_consecutive_skips
         self.skipped_steps = 0
         self._consecutive_skips = 0
@@ -213,34 +166,6 @@ class BLROptimizer(GroupStateOptimizer):
         now hold the old momenta and are free) and write the point estimates, or swap in
         the elements the proposal already moved (:meth:`_spares`)."""
         raise NotImplementedError
-
-    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
-        return [self._scratch[p]["acc"] for p in params]
-
-    def _spares(self, params: list[Tensor]) -> list[Tensor]:
-        """Element-sized scratch buffers: a proposal moves the elements into them before
-        the finiteness check (:meth:`_commit` then swaps them in)."""
-        return [self._buffer(p, "spare", self.state[p]["element"].shape) for p in params]
-
-    def _swap(self, params: list[Tensor], key: str, scratch_key: str) -> None:
-        """Exchange ``state[p][key]`` and the scratch buffer ``scratch_key`` (by reference)."""
-        for p in params:
-            state, scratch = self.state[p], self._scratch[p]
-            state[key], scratch[scratch_key] = scratch[scratch_key], state[key]
-
-    def _kernel(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
-        """``kernel``, compiled under ``compile=True``."""
-        return compiled(kernel) if self.compile else kernel
-
-    def _rate(self, group: dict[str, Any], key: str = "lr") -> float | Tensor:
-        """A step size of ``group``: a 0-d tensor under ``compile`` (no recompiles)."""
-        if not self.compile:
-            return group[key]
-        return torch.tensor(float(group[key]), device=group["params"][0].device)
-
-    def _mean(self, group: dict[str, Any]) -> float | None:
-        """E[ξ] under ``point_estimate="mean"``, else ``None``."""
-        return float(group["base"].mean) if self.point_estimate == "mean" else None
 
     # --------------------------------------------------------- sample protocol
     @property
@@ -356,12 +281,7 @@ class BLROptimizer(GroupStateOptimizer):
         if not decay and inv_scale == 1.0:
             return grads
         out = [self._buffer(p, "grad", p.shape) for p in params]
-        torch._foreach_copy_(out, grads)
-        if inv_scale != 1.0:
-            torch._foreach_mul_(out, inv_scale)
-        if decay:
-            torch._foreach_add_(out, theta, alpha=decay)
-        return out
+        return loss_gradients(grads, theta, out, inv_scale, decay)
 
     def _forget(self) -> None:
         self._deferred.clear()
@@ -439,7 +359,7 @@ class BLROptimizer(GroupStateOptimizer):
                 "`with optimizer.sampled_params(train=True):` block"
             )
         finite = loss is None or bool(torch.isfinite(torch.as_tensor(loss)).all())
-        self._update(finite and not self._found_inf())
+        self._update(finite and not scaler_found_inf(self))
         return loss
 
     def _update(self, finite: bool) -> None:
@@ -503,17 +423,6 @@ class BLROptimizer(GroupStateOptimizer):
                 f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "
                 "(max_consecutive_skips): the run has diverged; lower the learning rate"
             )
-
-    def _found_inf(self) -> bool:
-        """Whether ``GradScaler.step(optimizer)`` found inf/NaN gradients (it sets
-        ``grad_scale`` and ``found_inf`` before calling :meth:`step`)."""
-        if self.__dict__.get("grad_scale") is not None and self.grad_scaler is None:
-            raise RuntimeError(
-                "GradScaler.step(optimizer): pass grad_scaler=scaler to the optimizer so each "
-                "sample's gradients are unscaled before they are accumulated"
-            )
-        found = self.__dict__.get("found_inf")
-        return found is not None and bool(found.item())
 
     # ------------------------------------------------------------ distribution
     @torch.no_grad()

@@ -11,7 +11,7 @@ from ..distributions import check_base
 from ..groups import LieGroup
 from ..noise import symmetric_centre
 
-__all__ = ["check_hyperparameters", "check_number"]
+__all__ = ["check_count", "check_hyperparameters", "check_number"]
 
 
 def check_number(hp: dict[str, Any], key: str, low: float, high: float = math.inf, *, closed=True):
@@ -25,6 +25,12 @@ def check_number(hp: dict[str, Any], key: str, low: float, high: float = math.in
     if not ok or math.isnan(value):
         lo = "[" if closed else "("
         raise ValueError(f"{key}: must lie in {lo}{low}, {high}), got {value}")
+
+
+def check_count(key: str, value: Any) -> None:
+    """Check that ``value`` is an integer ≥ 1; ValueError naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: must be an integer ≥ 1, got {value!r}")
 
 
 def check_hyperparameters(

@@ -22,8 +22,9 @@ from torch.distributions import Distribution
 
 from ..fisher import algebra_gradient, entropy_gradient, inverse_metric
 from ..groups import LieGroup
-from .base import BLROptimizer, Deferred
+from .base import BLROptimizer
 from .kernels import Proposal
+from .sample import Deferred
 from .state import state_dtype
 
 __all__ = ["LieGroupBLR", "Preconditioner"]

@@ -1,5 +1,5 @@
-"""What the rules' kernels share: compilation, the parts of stacked tensors, the finiteness
-check of a proposal, and e^x as 2^{x log₂e}."""
+"""What the rules' kernels share: compilation, the parts of stacked tensors, the loss
+gradient a sample contributes, the finiteness check of a proposal, and e^x as 2^{x log₂e}."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LOG2E", "Parts", "Proposal", "all_finite", "compiled", "parts"]
+__all__ = ["LOG2E", "Parts", "Proposal", "all_finite", "compiled", "loss_gradients", "parts"]
 
 LOG2E = math.log2(math.e)
 """log₂e: kernels compute e^x as 2^{x log₂e} (``exp2`` is several times faster than ``exp``
@@ -35,6 +35,19 @@ def parts(tensors: list[Tensor], stacked: bool = True) -> list[Parts]:
     row of a stacked tensor compiles to a pass over the whole tensor, and a kernel over rows
     is one loop per parameter."""
     return [tuple(t.unbind(0)) if stacked else (t,) for t in tensors]
+
+
+def loss_gradients(
+    grads: list[Tensor], theta: list[Tensor], out: list[Tensor], inv_scale: float, decay: float
+) -> list[Tensor]:
+    r""":math:`\nabla\bar\ell_\delta = s^{-1}\nabla\bar\ell + \frac{\delta}{N}\theta` into ``out``
+    (``inv_scale`` = 1/s of a GradScaler, ``decay`` = δ/N); ``grads`` are read, not written."""
+    torch._foreach_copy_(out, grads)
+    if inv_scale != 1.0:
+        torch._foreach_mul_(out, inv_scale)
+    if decay:
+        torch._foreach_add_(out, theta, alpha=decay)
+    return out
 
 
 @dataclass

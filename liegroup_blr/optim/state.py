@@ -10,6 +10,7 @@ continues exactly like the original.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch.optim import Optimizer
 from ..groups import LieGroup
 from ..noise import NoiseSource
 from .checks import check_hyperparameters
+from .kernels import compiled
 
 __all__ = ["GroupStateOptimizer", "state_dtype"]
 
@@ -37,6 +39,7 @@ class GroupStateOptimizer(Optimizer):
 
     lie_group: LieGroup
     point_estimate: str
+    compile: bool
     noise_source: NoiseSource
     skipped_steps: int
     _scratch: dict[Tensor, dict[str, Tensor]]  # per parameter: reusable buffers of a step
@@ -69,6 +72,34 @@ class GroupStateOptimizer(Optimizer):
         if buf is None or buf.shape != shape or buf.device != p.device:
             buf = scratch[key] = torch.empty(shape, dtype=state_dtype(p), device=p.device)
         return buf
+
+    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
+        return [self._scratch[p]["acc"] for p in params]
+
+    def _spares(self, params: list[Tensor]) -> list[Tensor]:
+        """Element-sized scratch buffers: a proposal moves the elements into them before
+        the finiteness check (:meth:`_commit` then swaps them in)."""
+        return [self._buffer(p, "spare", self.state[p]["element"].shape) for p in params]
+
+    def _swap(self, params: list[Tensor], key: str, scratch_key: str) -> None:
+        """Exchange ``state[p][key]`` and the scratch buffer ``scratch_key`` (by reference)."""
+        for p in params:
+            state, scratch = self.state[p], self._scratch[p]
+            state[key], scratch[scratch_key] = scratch[scratch_key], state[key]
+
+    def _kernel(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
+        """``kernel``, compiled under ``compile=True``."""
+        return compiled(kernel) if self.compile else kernel
+
+    def _rate(self, group: dict[str, Any], key: str = "lr") -> float | Tensor:
+        """A step size of ``group``: a 0-d tensor under ``compile`` (no recompiles)."""
+        if not self.compile:
+            return group[key]
+        return torch.tensor(float(group[key]), device=group["params"][0].device)
+
+    def _mean(self, group: dict[str, Any]) -> float | None:
+        """E[ξ] under ``point_estimate="mean"``, else ``None``."""
+        return float(group["base"].mean) if self.point_estimate == "mean" else None
 
     @staticmethod
     def _active(group: dict[str, Any]) -> list[Tensor]:
