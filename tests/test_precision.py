@@ -120,3 +120,31 @@ def test_half_precision_follows_the_float32_path_with_float32_state(rule, mode):
     error = relative_error(elements(opt, half), elements(reference, model), before)
     assert error < 0.02  # measured ≈ 0.003
     assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values())
+
+
+@pytest.mark.parametrize("rule", ["multiplicative", "affine"])
+def test_compiled_update_after_load_state_dict_and_deepcopy_equals_eager(rule):
+    """The compiled kernels take row views of the state, kept between steps: after
+    ``load_state_dict`` (new state tensors) and in a deep copy they are views of the tensors
+    the optimizer now holds, so the steps go on as eager ones."""
+    model, x, y = make_problem(dtype=torch.float32)
+    twin = copy.deepcopy(model)
+    compiled = run(lambda ps: RULES[rule](ps, seed=0, compile=True), model, x, y, 2)
+    eager = run(lambda ps: RULES[rule](ps, seed=0), twin, x, y, 2)
+    compiled.load_state_dict(copy.deepcopy(eager.state_dict()))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            p.copy_(q)
+    copied = copy.deepcopy((model, compiled))
+    for m, opt in ((model, compiled), copied, (twin, eager)):
+        run(lambda ps, opt=opt: opt, m, x, y, 2)
+    for (p, q), r in zip(
+        zip(model.parameters(), twin.parameters(), strict=True), copied[0].parameters(), strict=True
+    ):
+        for key in ("element", "momentum"):
+            torch.testing.assert_close(
+                compiled.state[p][key], eager.state[q][key], rtol=1e-5, atol=1e-6
+            )
+            torch.testing.assert_close(
+                copied[1].state[r][key], eager.state[q][key], rtol=1e-5, atol=1e-6
+            )

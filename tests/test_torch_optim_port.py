@@ -284,6 +284,22 @@ def test_copy_continues_exactly_like_the_original(kind, options, how):
     assert_continue_alike(opt, model, opt2, model2)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_with_an_lr_scheduler_attached_steps_itself(kind, how):
+    """An lr scheduler wraps its optimizer's ``step`` in an instance attribute that calls
+    the original; a copy leaves the wrapper out (as torch.optim's state does), so the copy
+    steps itself and pickles."""
+    model, opt = setup(kind)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    run(opt, model, 2)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    assert_continue_alike(opt, model, opt2, model2)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_deepcopy_copies_all_public_attrs(kind):
     _, opt = setup(kind)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import resource
 import statistics
@@ -49,16 +50,24 @@ def problem(name: str) -> tuple[nn.Module, Tensor, Tensor]:
     return ResNet((3, 32, 32), 10), torch.randn(200, 3, 32, 32), torch.randint(0, 10, (200,))
 
 
+def interleaved(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
+    """Median over rounds of the mean seconds per call of each callable, all timed in turn
+    in every round (a drifting machine affects them alike); one warm-up call each first."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def seconds(fn: Callable[[], object], steps: int, rounds: int) -> float:
     """Median over rounds of the mean seconds per call (one warm-up call first)."""
-    fn()
-    means = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        means.append((time.perf_counter() - start) / steps)
-    return statistics.median(means)
+    return interleaved({"": fn}, steps, rounds)[""]
 
 
 def sgd_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor) -> Callable:
@@ -125,7 +134,7 @@ def draw_cost(rounds: int) -> None:
 
 
 def full_steps(rounds: int, quick: bool) -> None:
-    print("\n== 3. Full step at mc = 1 against torch.optim.SGD(momentum) ==")
+    print("\n== 3. Full step at mc = 1 against torch.optim.SGD(momentum), interleaved ==")
     for name, noise, targets in (
         ("resnet20", "fresh", {"additive": 1.15, "multiplicative": 1.3, "affine": 1.3}),
         ("mlp", "table", {"additive": 1.3, "multiplicative": 1.5, "affine": 1.5}),
@@ -133,16 +142,17 @@ def full_steps(rounds: int, quick: bool) -> None:
         model, x, y = problem(name)
         steps = 2 if quick or name == "resnet20" else 10
         twin = copy.deepcopy(model)
-        base = seconds(sgd_step(sgd(twin), twin, x, y), steps, rounds)
-        print(f"{name} (noise {noise}): SGD {base * 1e3:.1f} ms")
+        fns = {"sgd": sgd_step(sgd(twin), twin, x, y)}
+        for rule, compiled in itertools.product(targets, (False, True)):
+            twin = copy.deepcopy(model)
+            opt = RULES[rule](twin.parameters(), noise=noise, compile=compiled)
+            fns[f"{rule}, {'compiled' if compiled else 'eager'}"] = blr_step(opt, twin, x, y)
+        t = interleaved(fns, steps, rounds)
+        print(f"{name} (noise {noise}): SGD {t['sgd'] * 1e3:.1f} ms")
         for rule, target in targets.items():
-            cells = []
-            for compiled in (False, True):
-                twin = copy.deepcopy(model)
-                opt = RULES[rule](twin.parameters(), noise=noise, compile=compiled)
-                t = seconds(blr_step(opt, twin, x, y), steps, rounds)
-                cells.append(f"{'compiled' if compiled else 'eager'} ×{t / base:.2f}")
-            print(f"  {rule:<16}{'   '.join(cells)}   (target ≤ {target} eager)")
+            ratios = {mode: t[f"{rule}, {mode}"] / t["sgd"] for mode in ("eager", "compiled")}
+            cells = [f"{mode} ×{ratio:.2f}" for mode, ratio in ratios.items()]
+            print(f"  {rule:<16}{'   '.join(cells)}   (target ≤ {target})")
 
 
 def _process(rank: int, world: int, folder: str, mc: int, steps: int, out: str) -> None:

@@ -26,7 +26,7 @@ from ..groups import DiagonalAffineGroup
 from ..groups.affine import exprel
 from .base import BLROptimizer
 from .checks import check_number
-from .kernels import LOG2E, Parts, Proposal, compiled, parts
+from .kernels import LOG2E, Parts, Proposal, compiled
 from .sample import Deferred
 from .state import state_dtype
 
@@ -311,9 +311,11 @@ class AffineBLR(BLROptimizer):
             return Proposal(accs)
         rate, mean = self._rate(group), self._mean(group)
         hp = (n, betas, shift, rate, rate * group["scale_ratio"], mean)
-        tensors = (accs, momenta, elements, self._spares(params))
-        rows = None if sample is None else (sample.noise, sample.grads, parts(elements))
-        sums = compiled(affine_update)(*(parts(ts) for ts in tensors), params, hp, rows)
+        tensors = [
+            self._parts(params, ts) for ts in (accs, momenta, elements, self._spares(params))
+        ]
+        rows = None if sample is None else (sample.noise, sample.grads, tensors[2])
+        sums = compiled(affine_update)(*tensors, params, hp, rows)
         return Proposal(accs, sums)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:

@@ -36,7 +36,7 @@ from ..noise import NoiseSource
 from .amp import inverse_scale, record_finite, scaler_found_inf
 from .checks import check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
-from .kernels import Proposal, all_finite, loss_gradients
+from .kernels import Parts, Proposal, all_finite, loss_gradients
 from .sample import Deferred, Sample
 from .state import GroupStateOptimizer
 
@@ -126,6 +126,7 @@ class BLROptimizer(GroupStateOptimizer):
         self.skipped_steps = 0
         self._consecutive_skips = 0
         self._scratch: dict[Tensor, dict[str, Tensor]] = {}
+        self._views: dict[Tensor, dict[int, tuple[Tensor, Parts]]] = {}
         self._pending: dict[Tensor, None] = {}  # parameters with accumulated samples
         self._deferred: dict[int, Deferred] = {}  # by id of the param group
         self._samples = 0

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from ..groups import LieGroup
 from ..noise import NoiseSource
 from .checks import check_hyperparameters
-from .kernels import compiled
+from .kernels import Parts, compiled, parts
 
 __all__ = ["GroupStateOptimizer", "state_dtype"]
 
@@ -43,6 +43,7 @@ class GroupStateOptimizer(Optimizer):
     noise_source: NoiseSource
     skipped_steps: int
     _scratch: dict[Tensor, dict[str, Tensor]]  # per parameter: reusable buffers of a step
+    _views: dict[Tensor, dict[int, tuple[Tensor, Parts]]]  # per parameter: rows by tensor id
     _pending: dict[Tensor, None]  # parameters with accumulated samples
     groups_per_param_group = False
     """Whether a param group may set its own Lie group (key ``"group"``)."""
@@ -71,7 +72,23 @@ class GroupStateOptimizer(Optimizer):
         buf = scratch.get(key)
         if buf is None or buf.shape != shape or buf.device != p.device:
             buf = scratch[key] = torch.empty(shape, dtype=state_dtype(p), device=p.device)
+            self._views.pop(p, None)
         return buf
+
+    def _parts(
+        self, params: list[Tensor], tensors: list[Tensor], stacked: bool = True
+    ) -> list[Parts]:
+        """Each parameter's state or scratch tensor as its :func:`~.kernels.parts`, the views
+        made once per tensor and kept (a compiled kernel's call would otherwise spend a
+        dispatch per tensor per step on them)."""
+        out = []
+        for p, t in zip(params, tensors, strict=True):
+            views = self._views.setdefault(p, {})
+            entry = views.get(id(t))
+            if entry is None or entry[0] is not t:
+                entry = views[id(t)] = (t, parts([t], stacked)[0])
+            out.append(entry[1])
+        return out
 
     def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
         return [self._scratch[p]["acc"] for p in params]
@@ -267,6 +284,7 @@ class GroupStateOptimizer(Optimizer):
         )
         self.skipped_steps = int(extras.get("skipped_steps", 0))
         self._scratch.clear()  # a loaded state starts between steps
+        self._views.clear()
         self._pending.clear()
         self._samples = 0
         self.noise_source.end_step()
@@ -282,7 +300,9 @@ class GroupStateOptimizer(Optimizer):
         """Everything a copy needs to continue exactly like this optimizer (hooks and the
         process group excepted, as torch.optim leaves hooks out)."""
         state = {k: v for k, v in self.__dict__.items() if not k.endswith("_hooks")}
+        state.pop("step", None)  # an lr scheduler's wrapper: it would step the original
         state["process_group"] = None
+        state["_views"] = {}  # views of the tensors: made again on use
         if "_metrics" in state:  # cached preconditioners: rebuilt from the seed on use
             state["_metrics"] = {}
         return state
