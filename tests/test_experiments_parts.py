@@ -270,3 +270,18 @@ def test_lr_factor_by_hand() -> None:
     # reference MLP: 26 passes, no warm-up; half-way the factor is ½, last one above 0
     assert lr_factor(13, 26, 0) == pytest.approx(0.5)
     assert 0 < lr_factor(25, 26, 0) < 0.01
+
+
+# ------------------------------------------------------------------------ benchmarks
+@pytest.mark.parametrize("module", ["step_time", "scale"])
+def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) -> None:
+    """The benchmarks run only by hand; their imports of the library's kernels and their
+    command lines are checked here (``--help`` exits before any timing)."""
+    import importlib
+
+    bench = importlib.import_module(f"experiments.benchmarks.{module}")
+    monkeypatch.setattr("sys.argv", [module, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 0
+    assert "--rounds" in capsys.readouterr().out

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 import liegroup_blr as lgb
 from experiments.models import CNN, MLP
-from liegroup_blr.optim.multiplicative import multiplicative_update, parts
+from liegroup_blr.optim.kernels import parts
+from liegroup_blr.optim.multiplicative import multiplicative_update
 
 BATCH = 50
 DATA_SIZE = 60_000
