@@ -8,8 +8,9 @@ Elements stack [A, b], momenta and accumulators [M_U, M_V] (shape (2, …)).
     b \leftarrow b - \alpha_1 A \odot M_V \odot \varphi(-\alpha_1 M_U), \qquad
     A \leftarrow A \odot e^{-\alpha_2 M_U}, \qquad \varphi(x) = \frac{e^x - 1}{x}.
 
-The kernels act on explicit tensor lists one tensor at a time (one fused kernel per
-parameter under ``torch.compile``).
+The kernels act on explicit tensor lists one tensor at a time: in place for eager steps, and
+:func:`affine_update`, what ``compile=True`` runs, over the rows of each tensor (one loop per
+parameter).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ momenta, accumulators and noise of a signed parameter stack the two parts, shape
     M^\pm \leftarrow \beta M^\pm + (1-\beta)\hat X^\pm, \qquad
     g^\pm \leftarrow g^\pm \odot e^{-\alpha M^\pm}.
 
-The kernels act on explicit tensor lists one tensor at a time (one fused kernel per
-parameter under ``torch.compile``).
+The kernels act on explicit tensor lists one tensor at a time: in place for eager steps,
+and :func:`multiplicative_update`, what ``compile=True`` runs, over the rows of each tensor
+(one loop per parameter).
 """
 
 from __future__ import annotations
