@@ -97,8 +97,10 @@ def test_multiplicative_kernels_follow_the_group(n):
     torch.testing.assert_close(p, G.point_estimate(moved))
 
 
-def test_affine_kernels_follow_the_group():
-    """With α₁ = α₂ the commit is g·exp(−αM)."""
+@pytest.mark.parametrize("zero_scale_momentum", [False, True])
+def test_affine_kernels_follow_the_group(zero_scale_momentum):
+    """With α₁ = α₂ the commit is g·exp(−αM), in the in-place form (eager steps) and the
+    functional one (compiled steps); M_U = 0 takes the limit φ(0) = 1."""
     G, gen = DiagonalAffineGroup(), torch.Generator().manual_seed(2)
     g = torch.stack((_randn(*SHAPE, gen=gen).abs() + 0.2, _randn(*SHAPE, gen=gen)))
     mom = 0.1 * _randn(2, *SHAPE, gen=gen)
@@ -117,10 +119,14 @@ def test_affine_kernels_follow_the_group():
     deferred = torch.empty_like(g)  # the sample accumulated by the proposal itself
     affine_propose([deferred], [mom], 1, (0.9, 0.6), 0.02, ([noise], [grad], [g]))
     torch.testing.assert_close(deferred, new_mom)
+    if zero_scale_momentum:
+        acc[0] = 0.0
     moved = g.clone()
     affine_commit_([moved], [acc], [torch.empty_like(g)], [p], 0.3, 0.3, None)
     torch.testing.assert_close(moved, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(p, moved[1])
+    functional = torch.stack(affine_move(parts([g])[0], *acc, 0.3, 0.3))
+    torch.testing.assert_close(functional, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("functional", [True, False])

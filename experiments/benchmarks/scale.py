@@ -28,7 +28,6 @@ import os
 import resource
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
@@ -37,7 +36,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
-from experiments.benchmarks.step_time import RULES
+from experiments.benchmarks.step_time import RULES, mean_time
 from experiments.models import MLP, ResNet
 
 LOSS = nn.functional.cross_entropy
@@ -58,10 +57,7 @@ def interleaved(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            times[name].append((time.perf_counter() - start) / steps)
+            times[name].append(mean_time(fn, steps))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

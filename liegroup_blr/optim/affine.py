@@ -306,8 +306,8 @@ class AffineBLR(BLROptimizer):
         shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         betas = (group["scale_momentum"], group["momentum"])
         elements = self._gather(params, "element")
-        deferred = None if sample is None else (sample.noise, sample.grads, elements)
         if not self.compile:
+            deferred = None if sample is None else (sample.noise, sample.grads, elements)
             affine_propose(accs, momenta, n, betas, shift, deferred)
             return Proposal(accs)
         rate, mean = self._rate(group), self._mean(group)

@@ -276,8 +276,8 @@ class MultiplicativeBLR(BLROptimizer):
     ) -> Proposal:
         accs, momenta = self._accumulators(params), self._gather(params, "momentum")
         shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
-        deferred = None if sample is None else (sample.noise, sample.grads)
         if not self.compile:
+            deferred = None if sample is None else (sample.noise, sample.grads)
             multiplicative_propose(accs, momenta, n, group["momentum"], shift, deferred)
             return Proposal(accs)
         signed = self.lie_group.signed
