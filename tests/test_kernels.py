@@ -32,6 +32,7 @@ from liegroup_blr.optim.multiplicative import (
     multiplicative_accumulate,
     multiplicative_commit_,
     multiplicative_draw,
+    multiplicative_noise,
     multiplicative_propose,
     multiplicative_update,
 )
@@ -75,12 +76,18 @@ def test_multiplicative_kernels_follow_the_group(n):
     mom = 0.1 * _randn(2, *SHAPE, gen=gen)
     xis = [_randn(2, *SHAPE, gen=gen).abs() for _ in range(n)]
     grads = [_randn(*SHAPE, gen=gen) for _ in range(n)]
-    acc, p = torch.empty_like(g), torch.empty(SHAPE, dtype=DTYPE)
+    acc, p, q = (
+        torch.empty_like(g),
+        torch.empty(SHAPE, dtype=DTYPE),
+        torch.empty(SHAPE, dtype=DTYPE),
+    )
     X = torch.zeros_like(g)
     for s, (xi, grad) in enumerate(zip(xis, grads, strict=True)):
         w = torch.empty_like(xi)
-        multiplicative_draw([g], [xi], [w], [p], True)
+        multiplicative_draw([g], [xi], [p], True, [w])  # with the signed noise w kept (eager)
         torch.testing.assert_close(p, G.readout(G.act(g, xi)))
+        multiplicative_draw([g], [xi], [q], True)  # from ξ alone (compiled)
+        torch.testing.assert_close(q, p)
         multiplicative_accumulate([acc], [w], [grad], s == 0)
         X += algebra_gradient(G, g, xi, grad)
     beta, shift, lr = 0.8, 0.05, 0.4
@@ -104,21 +111,22 @@ def test_affine_kernels_follow_the_group(zero_scale_momentum):
     G, gen = DiagonalAffineGroup(), torch.Generator().manual_seed(2)
     g = torch.stack((_randn(*SHAPE, gen=gen).abs() + 0.2, _randn(*SHAPE, gen=gen)))
     mom = 0.1 * _randn(2, *SHAPE, gen=gen)
-    xi, grad = _randn(*SHAPE, gen=gen), _randn(*SHAPE, gen=gen)
-    p, noise = torch.empty(SHAPE, dtype=DTYPE), torch.empty_like(xi)
-    affine_draw([g], [xi], [noise], [p])
-    torch.testing.assert_close(p, G.readout(G.act(g, xi)))
-    acc = torch.empty_like(g)
-    affine_accumulate([acc], [noise], [grad], [g], True)
-    X = algebra_gradient(G, g, xi, grad)
-    torch.testing.assert_close(acc, X)
-    affine_propose([acc], [mom], 1, (0.9, 0.6), 0.02)
+    xis, grads = ([_randn(*SHAPE, gen=gen) for _ in range(2)] for _ in range(2))
+    p, acc = torch.empty(SHAPE, dtype=DTYPE), torch.empty_like(g)
+    for s, (xi, grad) in enumerate(zip(xis, grads, strict=True)):
+        affine_draw([g], [xi], [p])
+        torch.testing.assert_close(p, G.readout(G.act(g, xi)))
+        affine_accumulate([acc], [xi], [grad], s == 0)
+    X = [algebra_gradient(G, g, xi, grad) for xi, grad in zip(xis, grads, strict=True)]
     betas = torch.tensor([0.9, 0.6], dtype=DTYPE).view(2, 1, 1)
-    new_mom = torch.lerp(X - torch.tensor([0.02, 0.0], dtype=DTYPE).view(2, 1, 1), mom, betas)
-    torch.testing.assert_close(acc, new_mom)
-    deferred = torch.empty_like(g)  # the sample accumulated by the proposal itself
-    affine_propose([deferred], [mom], 1, (0.9, 0.6), 0.02, ([noise], [grad], [g]))
+    shift = torch.tensor([0.02, 0.0], dtype=DTYPE).view(2, 1, 1)  # (τ/N)∇log|det| = (τ/N, 0)
+    affine_propose([acc], [mom], [g], 2, (0.9, 0.6), 0.02)
+    torch.testing.assert_close(acc, torch.lerp((X[0] + X[1]) / 2 - shift, mom, betas))
+    deferred = torch.empty_like(g)  # one sample, accumulated by the proposal itself
+    affine_propose([deferred], [mom], [g], 1, (0.9, 0.6), 0.02, ([xis[0]], [grads[0]]))
+    new_mom = torch.lerp(X[0] - shift, mom, betas)
     torch.testing.assert_close(deferred, new_mom)
+    acc = new_mom
     if zero_scale_momentum:
         acc[0] = 0.0
     moved = g.clone()
@@ -160,7 +168,7 @@ def _update_inputs(kind, n, gen):
     mom, acc = 0.1 * _randn(2, *SHAPE, gen=gen), n * _randn(2, *SHAPE, gen=gen)
     noise, grad = _randn(*SHAPE, gen=gen), _randn(*SHAPE, gen=gen)
     if kind == "multiplicative":
-        noise = _randn(2, *SHAPE, gen=gen)  # (w⁺, −w⁻)
+        noise = _randn(2, *SHAPE, gen=gen).abs()  # (ξ⁺, ξ⁻)
     return g, mom, acc, noise, grad
 
 
@@ -173,8 +181,10 @@ def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean
     and returns the momentum's sums."""
     g, mom, acc, noise, grad = _update_inputs(kind, n, torch.Generator().manual_seed(5))
     lr, scale_lr, beta, shift = 0.3, 0.05, 0.8, 0.02
-    if kind == "multiplicative":
-        sample = ([noise], [grad]) if deferred else None
+    if kind == "multiplicative":  # eager steps keep w = (g⁺ξ⁺, −g⁻ξ⁻), compiled ones ξ
+        w = torch.empty_like(noise)
+        multiplicative_noise([g], [noise], [w], True)
+        sample = ([w], [grad]) if deferred else None
         rows = (parts([noise]), [grad]) if deferred else None
         eager_propose = lambda a: multiplicative_propose([a], [mom], n, beta, shift, sample)  # noqa: E731
         eager_commit = lambda e, a, p: multiplicative_commit_(  # noqa: E731
@@ -184,10 +194,9 @@ def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean
             *(parts([t]) for t in (a, mom, g, out)), [p], (n, beta, shift, lr, mean), rows
         )
     else:
-        sample = ([noise], [grad], [g]) if deferred else None
-        rows = ([noise], [grad], parts([g])) if deferred else None
+        sample = ([noise], [grad]) if deferred else None
         betas = (0.9, beta)
-        eager_propose = lambda a: affine_propose([a], [mom], n, betas, shift, sample)  # noqa: E731
+        eager_propose = lambda a: affine_propose([a], [mom], [g], n, betas, shift, sample)  # noqa: E731
         eager_commit = lambda e, a, p: affine_commit_(  # noqa: E731
             [e], [a], [torch.empty_like(a)], [p], lr, scale_lr, mean
         )
@@ -195,7 +204,7 @@ def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean
             *(parts([t]) for t in (a, mom, g, out)),
             [p],
             (n, betas, shift, lr, scale_lr, mean),
-            rows,
+            sample,
         )
     eager_acc, eager_g, eager_p = acc.clone(), g.clone(), torch.empty(SHAPE, dtype=DTYPE)
     eager_propose(eager_acc)

@@ -58,6 +58,8 @@ def run(make, model, x, y, steps, autocast=False):
         ("affine", 3, {}),
         ("multiplicative", 1, {"signed": False}),
         ("multiplicative", 1, {"point_estimate": "mean"}),
+        ("multiplicative", 3, {"noise": "table"}),  # ξ: read-only views of the table
+        ("affine", 2, {"noise": "table", "antithetic": True}),
     ],
 )
 def test_compiled_update_equals_eager_without_graph_breaks_or_recompiles(rule, samples, options):

@@ -1,6 +1,7 @@
 r"""The diagonal affine rule: θ = A ⊙ ξ + b, a Gaussian-like posterior for any q0.
 
-Elements stack [A, b], momenta and accumulators [M_U, M_V] (shape (2, …)).
+Elements stack [A, b], momenta [M_U, M_V] (shape (2, …)); the accumulators stack the sums
+[Σ ∇ℓ̄_δ ⊙ ξ_s, Σ ∇ℓ̄_δ], which the proposal multiplies by A (fixed during a step).
 
 .. math::
     \hat U = \frac1S \sum_s \nabla\bar\ell_\delta(\theta_s) \odot A\xi_s - \frac{\tau}{N},
@@ -42,51 +43,45 @@ __all__ = [
 ]
 
 
-def affine_draw(
-    elements: list[Tensor], xi: list[Tensor], out: list[Tensor], params: list[Tensor]
-) -> None:
-    """Aξ (into ``out``, kept for the accumulation), θ = Aξ + b."""
-    for g, x, axi, p in zip(elements, xi, out, params, strict=True):
-        torch.add(torch.mul(x, g[0], out=axi), g[1], out=p)
+def affine_draw(elements: list[Tensor], xi: list[Tensor], params: list[Tensor]) -> None:
+    """θ = A ⊙ ξ + b (ξ itself is what the accumulation reads)."""
+    for g, x, p in zip(elements, xi, params, strict=True):
+        torch.addcmul(g[1], g[0], x, out=p)
 
 
 def affine_accumulate(
-    accs: list[Tensor],
-    noise: list[Tensor],
-    grads: list[Tensor],
-    elements: list[Tensor],
-    first: bool,
+    accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], first: bool
 ) -> None:
-    """acc_U (+)= ∇ℓ̄_δ ⊙ Aξ, acc_V (+)= A ⊙ ∇ℓ̄_δ (A is fixed during a step)."""
-    for acc, axi, grad, g in zip(accs, noise, grads, elements, strict=True):
+    """acc (+)= (∇ℓ̄_δ ⊙ ξ, ∇ℓ̄_δ): the algebra gradient (∇ℓ̄_δ ⊙ Aξ, A ⊙ ∇ℓ̄_δ) of one sample
+    but for the factor A, which :func:`affine_propose` applies to the sum."""
+    for acc, xi, grad in zip(accs, noise, grads, strict=True):
         if first:
-            torch.mul(axi, grad, out=acc[0])
-            torch.mul(g[0], grad, out=acc[1])
+            torch.mul(xi, grad, out=acc[0])
+            acc[1].copy_(grad)
         else:
-            acc[0].addcmul_(axi, grad)
-            acc[1].addcmul_(g[0], grad)
+            acc[0].addcmul_(xi, grad)
+            acc[1].add_(grad)
 
 
 def affine_propose(
     accs: list[Tensor],
     momenta: list[Tensor],
+    elements: list[Tensor],
     n: int,
     betas: tuple[float, float],
     shift: float,
-    sample: tuple[list[Tensor], list[Tensor], list[Tensor]] | None = None,
+    sample: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> None:
-    """[M_U, M_V] ← [lerp(acc_U/n − τ/N, M_U, β₂), lerp(acc_V/n, M_V, β₁)], in place row by
-    row; with ``sample`` = (noise, grads, elements) of a deferred sample, acc = its
+    """[M_U, M_V] ← [lerp(A acc_U/n − τ/N, M_U, β₂), lerp(A acc_V/n, M_V, β₁)], in place row by
+    row; with ``sample`` = (noise, grads) of a deferred sample, acc = its
     :func:`affine_accumulate`, made in the same pass."""
-    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
-        offset = acc.new_full((), -shift)
+    for i, (acc, m, g) in enumerate(zip(accs, momenta, elements, strict=True)):
         if sample is None:
-            torch.add(offset, acc[0], alpha=1.0 / n, out=acc[0])
-            acc[1].mul_(1.0 / n)
+            for row, offset in enumerate((-shift, 0.0)):
+                torch.addcmul(acc.new_full((), offset), acc[row], g[0], value=1 / n, out=acc[row])
         else:
-            axi, grad, g = (part[i] for part in sample)
-            torch.addcmul(offset, axi, grad, out=acc[0])
-            torch.mul(g[0], grad, out=acc[1])
+            torch.mul(g[0], sample[1][i], out=acc[1])
+            torch.addcmul(acc.new_full((), -shift), acc[1], sample[0][i], out=acc[0])
         for row, beta in enumerate(betas):
             acc[row].lerp_(m[row], beta)
 
@@ -144,7 +139,7 @@ def affine_update(
     out: list[Parts],
     params: list[Tensor],
     hp: tuple[int, tuple[float, float], float, float | Tensor, float | Tensor, float | None],
-    sample: tuple[list[Tensor], list[Tensor], list[Parts]] | None = None,
+    sample: tuple[list[Tensor], list[Tensor]] | None = None,
 ) -> list[Tensor]:
     """:func:`affine_propose` and :func:`affine_move` into ``out`` in functional form over the
     rows of each tensor (:func:`~liegroup_blr.optim.kernels.parts`; ``hp`` = n, (β₂, β₁),
@@ -154,9 +149,10 @@ def affine_update(
     sums = []
     for i, (acc, m, g, o, p) in enumerate(zip(accs, momenta, elements, out, params, strict=True)):
         if sample is None:
-            x_u, x_v = acc[0] / n, acc[1] / n
+            x_u, x_v = acc[0] * g[0] / n, acc[1] * g[0] / n
         else:
-            x_u, x_v = sample[0][i] * sample[1][i], g[0] * sample[1][i]
+            x_v = g[0] * sample[1][i]
+            x_u = x_v * sample[0][i]
         u, v = torch.lerp(x_u - shift, m[0], betas[0]), torch.lerp(x_v, m[1], betas[1])
         A, b = affine_move(g, u, v, lr, scale_lr)
         for row, (new_m, new_g) in enumerate(((u, A), (v, b))):
@@ -291,13 +287,11 @@ class AffineBLR(BLROptimizer):
         return {"element": element, "momentum": torch.zeros_like(element)}
 
     def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        axi = [self._scratch[p]["noise"] for p in params]
-        affine_draw(self._gather(params, "element"), xi, axi, params)
-        return axi
+        affine_draw(self._gather(params, "element"), xi, params)
+        return xi
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
-        elements = self._gather(params, "element")
-        affine_accumulate(self._accumulators(params), noise, grads, elements, first)
+        affine_accumulate(self._accumulators(params), noise, grads, first)
 
     def _propose(
         self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
@@ -306,17 +300,16 @@ class AffineBLR(BLROptimizer):
         shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         betas = (group["scale_momentum"], group["momentum"])
         elements = self._gather(params, "element")
+        deferred = None if sample is None else (sample.noise, sample.grads)
         if not self.compile:
-            deferred = None if sample is None else (sample.noise, sample.grads, elements)
-            affine_propose(accs, momenta, n, betas, shift, deferred)
+            affine_propose(accs, momenta, elements, n, betas, shift, deferred)
             return Proposal(accs)
         rate, mean = self._rate(group), self._mean(group)
         hp = (n, betas, shift, rate, rate * group["scale_ratio"], mean)
         tensors = [
             self._parts(params, ts) for ts in (accs, momenta, elements, self._spares(params))
         ]
-        rows = None if sample is None else (sample.noise, sample.grads, tensors[2])
-        sums = compiled(affine_update)(*tensors, params, hp, rows)
+        sums = compiled(affine_update)(*tensors, params, hp, deferred)
         return Proposal(accs, sums)
 
     def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:

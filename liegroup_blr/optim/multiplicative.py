@@ -36,6 +36,7 @@ __all__ = [
     "multiplicative_accumulate",
     "multiplicative_commit_",
     "multiplicative_draw",
+    "multiplicative_noise",
     "multiplicative_propose",
     "multiplicative_update",
 ]
@@ -53,15 +54,39 @@ def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> N
         p.mul_(mean)
 
 
-def multiplicative_draw(
-    elements: list[Tensor], xi: list[Tensor], out: list[Tensor], params: list[Tensor], signed: bool
+def multiplicative_noise(
+    elements: list[Tensor], xi: list[Tensor], out: list[Tensor], signed: bool
 ) -> None:
-    """θ = w⁺ − w⁻ with w = g ⊙ ξ; ``out`` keeps (w⁺, −w⁻) for the accumulation (the sign
-    of the − part's algebra gradient)."""
-    for g, x, w, p in zip(elements, xi, out, params, strict=True):
-        _readout(p, torch.mul(x, g, out=w), signed)
+    """w = (g⁺ξ⁺, −g⁻ξ⁻) (or gξ) into ``out``: the signed noise an eager accumulation reads
+    (the sign: that of the − part's algebra gradient)."""
+    for g, x, w in zip(elements, xi, out, strict=True):
+        torch.mul(x, g, out=w)
         if signed:
             w[1].neg_()
+
+
+def multiplicative_draw(
+    elements: list[Tensor],
+    xi: list[Tensor],
+    params: list[Tensor],
+    signed: bool,
+    noise: list[Tensor] | None = None,
+) -> None:
+    """θ = g⁺ξ⁺ − g⁻ξ⁻ (or gξ); with ``noise``, as w⁺ + (−w⁻) from the signed noise
+    (:func:`multiplicative_noise`) kept there, else from ξ directly."""
+    if noise is not None:
+        multiplicative_noise(elements, xi, noise, signed)
+        for w, p in zip(noise, params, strict=True):
+            if signed:
+                torch.add(w[0], w[1], out=p)
+            else:
+                p.copy_(w)
+        return
+    for g, x, p in zip(elements, xi, params, strict=True):
+        if signed:
+            torch.mul(g[0], x[0], out=p).addcmul_(g[1], x[1], value=-1)
+        else:
+            torch.mul(g, x, out=p)
 
 
 def multiplicative_accumulate(
@@ -127,14 +152,17 @@ def multiplicative_update(
     """:func:`multiplicative_propose` then :func:`multiplicative_commit_` of the proposal into
     ``out`` (``hp`` = n, β, τ/N, α, E[ξ]), in functional form over the parts (g⁺, g⁻) or (g,)
     of each tensor (:func:`~liegroup_blr.optim.kernels.parts`): what ``compile=True`` runs,
-    one loop per parameter; returns each new momentum's sum (not finite if any entry is
-    not)."""
+    one loop per parameter; a deferred ``sample`` is (ξ, grads), its w = ±g ⊙ ξ formed here.
+    Returns each new momentum's sum (not finite if any entry is not)."""
     n, beta, shift, lr, mean = hp
     sums = []
     for i, (acc, m, g, o, p) in enumerate(zip(accs, momenta, elements, out, params, strict=True)):
         info, news, moved = torch.finfo(g[0].dtype), [], []
         for j in range(len(g)):
-            x = acc[j] if sample is None else sample[0][i][j] * sample[1][i]
+            if sample is None:
+                x = acc[j]
+            else:  # w = (g⁺ξ⁺, −g⁻ξ⁻) times the gradient
+                x = g[j] * sample[0][i][j] * (-sample[1][i] if j else sample[1][i])
             news.append(torch.lerp(x * (1.0 / n) - shift, m[j], beta))
             moved.append((g[j] * torch.exp2(news[j] * (lr * -LOG2E))).clamp(info.tiny, info.max))
         for j in range(len(g)):  # the writes after all reads: one loop under inductor
@@ -263,12 +291,21 @@ class MultiplicativeBLR(BLROptimizer):
         return {"element": g, "momentum": torch.zeros_like(g)}
 
     def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        w = [self._scratch[p]["noise"] for p in params]
+        """Eager steps keep the signed noise w; compiled steps keep ξ and form w in the update
+        (:func:`multiplicative_update`), a draw with no w to write."""
         elements, signed = self._gather(params, "element"), self.lie_group.signed
-        multiplicative_draw(elements, xi, w, params, signed)
+        if self.compile:
+            multiplicative_draw(elements, xi, params, signed)
+            return xi
+        w = [self._scratch[p]["noise"] for p in params]
+        multiplicative_draw(elements, xi, params, signed, w)
         return w
 
     def _accumulate(self, group, params, noise, grads, first) -> None:
+        if self.compile:  # noise is ξ: w formed in the spares, free until the update
+            w = self._spares(params)
+            multiplicative_noise(self._gather(params, "element"), noise, w, self.lie_group.signed)
+            noise = w
         multiplicative_accumulate(self._accumulators(params), noise, grads, first)
 
     def _propose(
