@@ -104,6 +104,21 @@ def test_multiplicative_kernels_follow_the_group(n):
     torch.testing.assert_close(p, G.point_estimate(moved))
 
 
+@pytest.mark.parametrize("keep_w", [True, False])
+def test_multiplicative_draw_rounds_a_half_precision_theta_once(keep_w):
+    """θ = g⁺ξ⁺ − g⁻ξ⁻ into bfloat16 parameters (float32 state) is the difference rounded
+    once: near-cancelling parts rounded first would lose θ."""
+    gen = torch.Generator().manual_seed(6)
+    g = torch.rand(2, 64, generator=gen) + 1.0
+    xi = torch.rand(2, 64, generator=gen) + 0.5
+    xi[1] = (g[0] * xi[0] - 1e-3 * (0.5 + torch.rand(64, generator=gen))) / g[1]  # θ ≈ 1e-3
+    p = torch.empty(64, dtype=torch.bfloat16)
+    noise = [torch.empty_like(g)] if keep_w else None
+    multiplicative_draw([g], [xi], [p], True, noise)
+    theta = g[0].double() * xi[0] - g[1].double() * xi[1]
+    torch.testing.assert_close(p.double(), theta, rtol=2**-8, atol=0)  # bf16: 8 bits
+
+
 @pytest.mark.parametrize("zero_scale_momentum", [False, True])
 def test_affine_kernels_follow_the_group(zero_scale_momentum):
     """With α₁ = α₂ the commit is g·exp(−αM), in the in-place form (eager steps) and the

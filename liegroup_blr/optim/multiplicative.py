@@ -83,10 +83,12 @@ def multiplicative_draw(
                 p.copy_(w)
         return
     for g, x, p in zip(elements, xi, params, strict=True):
-        if signed:
-            torch.mul(g[0], x[0], out=p).addcmul_(g[1], x[1], value=-1)
-        else:
+        if not signed:
             torch.mul(g, x, out=p)
+        elif p.dtype == g.dtype:
+            torch.mul(g[0], x[0], out=p).addcmul_(g[1], x[1], value=-1)
+        else:  # a half-precision θ: rounded once, after the difference
+            p.copy_(torch.addcmul(g[0] * x[0], g[1], x[1], value=-1))
 
 
 def multiplicative_accumulate(
