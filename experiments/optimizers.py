@@ -36,12 +36,12 @@ def _import(spec: str, what: str) -> Any:
 def _check_options(cls: type, options: dict[str, Any]) -> None:
     """Every key of ``options`` must be a keyword of ``cls.__init__`` (unless it takes
     ``**kwargs``): a misspelt key is an error, not a silently ignored option."""
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters  # the constructor's, without self
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
     valid = sorted(
         name
-        for name, p in list(params.items())[1:]  # without self
+        for name, p in params.items()
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     )
     unknown = sorted(set(options) - set(valid))

@@ -29,6 +29,7 @@ import resource
 import statistics
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,7 +88,7 @@ def blr_step(opt: lgb.optim.BLROptimizer, model: nn.Module, x: Tensor, y: Tensor
 def mc_samples(rounds: int, quick: bool) -> None:
     print("\n== 1. MC samples on the MLP at batch 50 (additive): ms per step, speed-up ==")
     model, x, y = problem("mlp")
-    configs = {
+    configs: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         "sequential fresh": ({}, {}),
         "sequential table": ({"noise": "table"}, {}),
         "antithetic fresh": ({"antithetic": True}, {}),
@@ -200,7 +201,7 @@ def _memory(name: str, steps: int, queue: mp.Queue) -> None:
         step = sgd_step(opt, model, x, y)
     else:
         opt = RULES[name](model.parameters())
-        step = blr_step(opt, model, x, y)  # type: ignore[arg-type]
+        step = blr_step(opt, model, x, y)
     for _ in range(steps):
         step()
     peak = _peak_rss() - base

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ivon
 import torch
@@ -37,7 +39,7 @@ from liegroup_blr.optim.multiplicative import multiplicative_update
 
 BATCH = 50
 DATA_SIZE = 60_000
-RULES: dict[str, Callable[..., torch.optim.Optimizer]] = {
+RULES: dict[str, Callable[..., lgb.optim.BLROptimizer]] = {
     "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=1e-3, **kw),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
         ps, lr=1e-3, data_size=DATA_SIZE, temperature=0.006, **kw
@@ -54,7 +56,7 @@ def mean_time(fn: Callable[[], object], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _generic_affine(ps: list[Tensor], **kw: object) -> torch.optim.Optimizer:
+def _generic_affine(ps: list[Tensor], **kw: Any) -> torch.optim.Optimizer:
     """The affine rule through the generic autodiff rule: like-for-like with ``affine`` at
     α₁ = α₂ (per-component factors give the scale its own step)."""
     group, base = lgb.groups.DiagonalAffineGroup(), torch.distributions.Normal(0.0, 0.005)
@@ -66,6 +68,7 @@ def _generic_affine(ps: list[Tensor], **kw: object) -> torch.optim.Optimizer:
 
 def _model(name: str) -> tuple[nn.Module, Tensor, Tensor]:
     torch.manual_seed(0)
+    model: nn.Module
     if name == "mlp":
         model, shape = MLP((1, 28, 28), 10), (1, 28, 28)
     elif name == "digits":  # the 64-16-10 MLP of the 8×8 digits
@@ -84,7 +87,7 @@ def _optimizers(model: nn.Module) -> dict[str, tuple[nn.Module, torch.optim.Opti
         **RULES,
     }
     for rule in RULES:  # the same rules with compile=True
-        makers[f"{rule} (compiled)"] = lambda ps, rule=rule: RULES[rule](ps, compile=True)
+        makers[f"{rule} (compiled)"] = functools.partial(RULES[rule], compile=True)
     makers["generic affine"] = _generic_affine
     makers["generic affine (compiled)"] = lambda ps: _generic_affine(ps, compile=True)
     out = {}
@@ -203,7 +206,7 @@ def _floors(params: list[Tensor]) -> dict[str, Callable[[], None]]:
 def run(model_name: str, rounds: int, steps: int) -> None:
     model, x, y = _model(model_name)
     opts = _optimizers(model)
-    params = list(model.parameters())
+    params: list[Tensor] = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     full = {name: _full_step(opt, twin, x, y) for name, (twin, opt) in opts.items()}
     arithmetic = {name: _arithmetic(opt) for name, (_, opt) in opts.items()}
@@ -235,8 +238,8 @@ def run(model_name: str, rounds: int, steps: int) -> None:
         f, a = med[f"full:{name}"], med[f"arith:{name}"]
         rule = name.removesuffix(" (compiled)").removeprefix("generic ")
         if rule in draws:
-            floor = sgd + med[f"draw:{rule}"]
-            extra = f"{floor:>8.2f}{f / floor:>7.2f}"
+            bound = sgd + med[f"draw:{rule}"]
+            extra = f"{bound:>8.2f}{f / bound:>7.2f}"
         else:
             extra = f"{'':>8}{'':>7}"
         print(f"{name:<26}{f:>9.2f}{f / sgd:>8.2f}{extra}{a:>10.2f}{a / adam:>8.2f}")
