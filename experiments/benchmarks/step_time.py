@@ -238,8 +238,8 @@ def run(model_name: str, rounds: int, steps: int) -> None:
         f, a = med[f"full:{name}"], med[f"arith:{name}"]
         rule = name.removesuffix(" (compiled)").removeprefix("generic ")
         if rule in draws:
-            bound = sgd + med[f"draw:{rule}"]
-            extra = f"{bound:>8.2f}{f / bound:>7.2f}"
+            noise_floor = sgd + med[f"draw:{rule}"]
+            extra = f"{noise_floor:>8.2f}{f / noise_floor:>7.2f}"
         else:
             extra = f"{'':>8}{'':>7}"
         print(f"{name:<26}{f:>9.2f}{f / sgd:>8.2f}{extra}{a:>10.2f}{a / adam:>8.2f}")
