@@ -150,3 +150,16 @@ def test_compiled_update_after_load_state_dict_and_deepcopy_equals_eager(rule):
             torch.testing.assert_close(
                 copied[1].state[r][key], eager.state[q][key], rtol=1e-5, atol=1e-6
             )
+
+
+def test_compiled_steps_keep_views_of_the_state_only():
+    """The row views a compiled step keeps are those of the optimizer's own tensors: a
+    sample's noise from the table is a new window at every step, and keeping its views
+    would hold every window ever drawn."""
+    model, x, y = make_problem(dtype=torch.float32)
+    opt = run(
+        lambda ps: RULES["multiplicative"](ps, seed=0, noise="table", compile=True), model, x, y, 3
+    )
+    kept = sum(len(views) for views in opt._views.values())
+    run(lambda ps: opt, model, x, y, 5)
+    assert sum(len(views) for views in opt._views.values()) == kept

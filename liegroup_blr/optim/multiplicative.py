@@ -27,7 +27,7 @@ from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
 from .base import BLROptimizer
 from .checks import check_number
-from .kernels import LOG2E, Parts, Proposal, compiled
+from .kernels import LOG2E, Parts, Proposal, compiled, parts
 from .sample import Deferred
 from .state import state_dtype
 
@@ -322,7 +322,7 @@ class MultiplicativeBLR(BLROptimizer):
         signed = self.lie_group.signed
         hp = (n, group["momentum"], shift, self._rate(group), self._mean(group))
         tensors = (accs, momenta, self._gather(params, "element"), self._spares(params))
-        rows = None if sample is None else (self._parts(params, sample.noise, signed), sample.grads)
+        rows = None if sample is None else (parts(sample.noise, signed), sample.grads)  # per step
         sums = compiled(multiplicative_update)(
             *(self._parts(params, ts, signed) for ts in tensors), params, hp, rows
         )

@@ -80,7 +80,8 @@ class GroupStateOptimizer(Optimizer):
     ) -> list[Parts]:
         """Each parameter's state or scratch tensor as its :func:`~.kernels.parts`, the views
         made once per tensor and kept (a compiled kernel's call would otherwise spend a
-        dispatch per tensor per step on them)."""
+        dispatch per tensor per step on them). Only for tensors the optimizer keeps: a
+        sample's noise may be a new table window at every step."""
         out = []
         for p, t in zip(params, tensors, strict=True):
             views = self._views.setdefault(p, {})
