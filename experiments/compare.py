@@ -173,7 +173,8 @@ def report(
         "# Comparison of learning rules",
         "",
         f"Dataset `{data['name']}` ({summary['train_size']['mean']:g} train / "
-        f"{summary['test_size']['mean']:g} test, N = {summary['data_size']['mean']:g}), model "
+        f"{summary['test_size']['mean']:g} {summary['eval_set']}, "
+        f"N = {summary['data_size']['mean']:g}), metrics on the {summary['eval_set']} set, model "
         f"`{model['name']}` ({model_desc}), {first['schedule']['epochs']} passes; "
         f"{len(seeds)} seed(s) {seeds} ({shared} within a seed). Cells are mean ± sample "
         "standard deviation over the seeds; the per-seed values follow below.",
@@ -203,8 +204,8 @@ def report(
         "## Runs",
         "",
         "| run | optimizer | hyperparameters | passes | gradient evaluations per step "
-        "(× SGD) | train (s) | eval (s) |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "(× SGD) | train (s) | ms per step | eval (s) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for label, res in results.items():
         opt = first_cfgs[label]["optimizer"]
@@ -213,7 +214,7 @@ def report(
         lines.append(
             f"| {label} | {opt['name']} | {hyper} | {s['epochs']['mean']:g} | "
             f"{opt.get('mc_samples', 1)} | {_cell(s['train_seconds'], 1.0, 1)} | "
-            f"{_cell(s['eval_seconds'], 1.0, 1)} |"
+            f"{_cell(step_ms(res), 1.0, 1)} | {_cell(s['eval_seconds'], 1.0, 1)} |"
         )
     lines += ["", "## Per-seed values", ""]
     for title, columns in TABLES.items():
@@ -226,6 +227,13 @@ def report(
         lines += [f"### {label} (seed {seeds[0]})", ""]
         lines += [f"![{label} {p[:-4]}]({folder}/{p})" for p in pngs] + [""]
     return "\n".join(lines)
+
+
+def step_ms(res: dict[str, Any]) -> dict[str, Any]:
+    """Milliseconds per training step (training wall time / steps; it includes forward,
+    backward and batching) of a label's results, summarised over its seeds."""
+    runs = res["per_seed"].values()
+    return summarise([1000.0 * r["train_seconds"] / r["steps"] for r in runs])
 
 
 def _first_layer_at_g(folder: Path) -> torch.Tensor:
@@ -247,7 +255,7 @@ def compare(
         return _compare(configs, out, resume, main)
 
 
-def _check_folder(out: Path, written: dict[str, Any], resume: bool) -> None:
+def check_folder(out: Path, written: dict[str, Any], resume: bool) -> None:
     """Refuse a folder with files (without ``resume``) or with another comparison's config."""
     held = runfiles.contents(out)
     if held and not resume:
@@ -273,7 +281,7 @@ def _compare(
         written = {
             label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()
         }
-        _check_folder(out, written, resume)
+        check_folder(out, written, resume)
         runfiles.remove_leftovers(out)
         runfiles.write_json(out / "config.json", written)
     per_seed: dict[str, dict[str, dict[str, Any]]] = {label: {} for label in configs}
@@ -298,9 +306,8 @@ def _compare(
         for label, runs in per_seed.items()
     }
     histories = {
-        f"{label} (seed {seed})": runfiles.read_jsonl(out / label / f"seed{seed}" / METRICS)
+        label: [runfiles.read_jsonl(out / label / f"seed{seed}" / METRICS) for seed in seed_names]
         for label in configs
-        for seed in seed_names
     }
     figures.learning_curves(histories, out / "learning_curves.png")
     weights = {label: _first_layer_at_g(out / label / f"seed{seed_names[0]}") for label in configs}
@@ -318,7 +325,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
     print(f"report in {out}")
 
 
-def _parse_seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",")]
     except ValueError:
@@ -328,7 +335,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, _parse_seeds)
+    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, parse_seeds)
 
 
 if __name__ == "__main__":
