@@ -402,6 +402,7 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
     results = evaluate(run.model, run.optimizer, test, cfg["eval"], out)
     results["train_seconds"] = sum(r["train_seconds"] for r in history)
     results["steps"] = epochs * (len(run.data.train_y) // cfg["data"]["batch_size"])
+    results["fastest_pass_seconds"] = min(r["train_seconds"] for r in history)
     results["eval_seconds"] = time.perf_counter() - tic
     results["epochs"] = epochs
     results["train_size"], results["test_size"] = len(run.data.train_y), len(run.data.test_y)

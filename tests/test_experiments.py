@@ -12,7 +12,7 @@ import pytest
 import torch
 from matplotlib import image as mpimg
 
-from experiments import compare, figures, train
+from experiments import compare, figures, train, tune
 from experiments.config import ConfigError, load, resolve, split_runs
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -348,7 +348,11 @@ def test_split_runs_merges_shared_tables() -> None:
     ids=lambda p: p.stem,
 )
 def test_shipped_configs_resolve(path: Path) -> None:
-    runs = compare.run_configs(load(path))
+    raw = load(path)
+    if "tune" in raw:  # a tuning config: one run per grid point, on a validation split
+        raw, points = tune.grid_points(raw)
+        assert all(points.values()) and raw["data"]["validation"] > 0
+    runs = compare.run_configs(raw)
     assert runs
     for by_seed in runs.values():
         assert 0 in by_seed

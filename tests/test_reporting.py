@@ -185,6 +185,17 @@ def test_summarise_gives_mean_sd_and_values() -> None:
         compare.summarise([{"name": "sgd"}, {"name": "adam"}])
 
 
+def test_ms_per_step_is_of_the_fastest_pass() -> None:
+    """4 passes of 5 steps, the fastest pass 0.05 s: 10 ms per step; over two seeds
+    (10 and 20 ms) the summary is 15 ± 7.07."""
+    run = {"epochs": 4, "steps": 20, "fastest_pass_seconds": 0.05, "train_seconds": 1.0}
+    assert compare.ms_per_step(run) == pytest.approx(10.0)
+    slower = {**run, "fastest_pass_seconds": 0.1}
+    summary = compare.step_ms({"per_seed": {"0": run, "1": slower}})
+    assert summary["mean"] == pytest.approx(15.0)
+    assert summary["sd"] == pytest.approx(statistics.stdev([10.0, 20.0]))
+
+
 def test_seed_list_from_config_or_flag() -> None:
     assert compare.seed_list({}) == [0]
     assert compare.seed_list({"seed": 3}) == [3]
