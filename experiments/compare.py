@@ -7,7 +7,8 @@ shared ones). The seeds are the top-level ``seeds = [0, 1, 2]`` of CONFIG, or ``
 (which overrides it), else the single ``seed``. Each run and seed trains into
 ``DIR/LABEL/seedS``; ``DIR/report.md`` holds the mean ± standard deviation over seeds and the
 per-seed values of every metric, ``DIR/results.json`` all numbers, ``DIR/config.json`` every
-resolved run config, ``DIR/learning_curves.png`` the test curves and
+resolved run config, ``DIR/learning_curves.png`` the test curves (per run the mean over the
+seeds and a band of ± one standard deviation) and
 ``DIR/weight_magnitudes.png`` the first-layer weight magnitudes of each run (first seed).
 """
 
@@ -313,7 +314,8 @@ def _compare(
         label: [runfiles.read_jsonl(out / label / f"seed{seed}" / METRICS) for seed in seed_names]
         for label in configs
     }
-    figures.learning_curves(histories, out / "learning_curves.png")
+    eval_set = next(iter(per_seed[next(iter(configs))].values()))["eval_set"]
+    figures.learning_curves(histories, out / "learning_curves.png", eval_set)
     weights = {label: _first_layer_at_g(out / label / f"seed{seed_names[0]}") for label in configs}
     first_weight = next(iter(weights.values()))
     figures.weight_magnitudes(

@@ -103,8 +103,9 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     },
 }
 
-# parallel: how torchrun's processes share the work (experiments/distributed.py)
-TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "parallel": "data"}
+# parallel: how torchrun's processes share the work (experiments/distributed.py);
+# threads: torch's intra-op threads (0: torch's default)
+TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "parallel": "data", "threads": 0}
 
 SECTIONS: dict[str, dict[str, Any]] = {
     # augment: None = the dataset's reference setting (crop + flip for CIFAR, TinyImageNet)
@@ -231,6 +232,8 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
     """Counts and sizes the drivers use must be in range, the base must take its options."""
     if not 0 <= cfg["seed"] < 2**32:
         raise ConfigError(f"seed must be in [0, 2**32 - 1], got {cfg['seed']}")
+    if cfg["threads"] < 0:
+        raise ConfigError(f"threads must be >= 0 (0: torch's default), got {cfg['threads']}")
     for section, key, low in _LEAST:
         value = cfg[section].get(key)
         items = value if isinstance(value, list) else [value]

@@ -155,11 +155,13 @@ def mean_and_sd(curves: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
 
 
 def learning_curves(
-    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]], path: Path
+    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]],
+    path: Path,
+    eval_set: str = "test",
 ) -> None:
-    """Evaluation-set accuracy and NLL (at the point estimate) per epoch: for each run label
-    (label → one list of epoch rows per seed) the mean over seeds as a line and mean ± sample
-    standard deviation as a band, one colour per label."""
+    """Accuracy and NLL on the ``eval_set`` (at the point estimate) per epoch: for each run
+    label (label → one list of epoch rows per seed) the mean over seeds as a line and mean ±
+    sample standard deviation as a band, one colour per label."""
     fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=CURVES_SIZE)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # tab10
     for i, (label, seeds) in enumerate(histories.items()):
@@ -172,10 +174,10 @@ def learning_curves(
             colour = colours[i % len(colours)]
             ax.plot(epochs, mean, color=colour, lw=1.5, label=name)
             ax.fill_between(epochs, mean - sd, mean + sd, color=colour, alpha=0.25, lw=0)
-    ax_acc.set(xlabel="epoch", ylabel="accuracy (%) at g")
-    ax_nll.set(xlabel="epoch", ylabel="NLL at g")
+    ax_acc.set(xlabel="epoch", ylabel=f"{eval_set} accuracy (%) at g")
+    ax_nll.set(xlabel="epoch", ylabel=f"{eval_set} NLL at g")
     ax_acc.legend()
-    fig.suptitle("evaluation set: mean over seeds, band mean ± sd")
+    fig.suptitle("mean over the seeds; band: mean ± sample standard deviation")
     fig.tight_layout()
     _save(fig, path)
 

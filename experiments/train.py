@@ -82,12 +82,18 @@ def resolve_device(name: str) -> torch.device:
 def build(cfg: dict[str, Any], processes: Processes) -> Run:
     """Seed every RNG with ``cfg['seed']``, then build data, model, optimizer and schedule.
 
+    ``cfg['threads']`` > 0 sets torch's intra-op threads: matrix products split over a
+    different number of threads round differently, so one fixed count makes a run's numbers
+    the same on every machine with the same torch build.
+
     Fills in ``cfg['data']['augment']`` with the dataset's default when unset. With
     ``[data] validation`` > 0 the run trains on the rest of the training set and evaluates on
     the held-out part (:func:`~experiments.data.validation_split`). The optimizer's data size
     is N = da_factor × (training-set size). Every process of a torchrun builds the same model;
     the optimizers give each its own noise.
     """
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
     seed = cfg["seed"]
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)

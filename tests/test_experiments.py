@@ -267,6 +267,8 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
         ({"model": {"name": "vit"}}, r"unknown model 'vit'; valid choices: \['cnn', 'mlp'"),
         ({"model": {"name": "mlp", "depth": 3}}, r"unknown key.*'depth'.*'widths'"),
         ({"device": "tpu"}, r"unknown device 'tpu'; valid choices"),
+        ({"threads": -1}, r"threads must be >= 0"),
+        ({"threads": 1.5}, r"threads must be of type int"),
         ({"schedule": {"epochs": 2, "warmup": 2}}, r"warmup"),
         ({"runs": {"a": {}}}, r"experiments.compare"),
     ],
@@ -277,6 +279,20 @@ def test_bad_config_is_a_clear_error(change: dict, message: str) -> None:
         cfg[key] = value
     with pytest.raises(ConfigError, match=message):
         resolve(cfg)
+
+
+def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cfg = tiny_config(schedule={"epochs": 1, "warmup": 0})
+        train.train({**cfg, "threads": 1}, tmp_path / "a")
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        train.train(cfg, tmp_path / "b")
+        assert torch.get_num_threads() == 2  # threads = 0 leaves torch's setting alone
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ivon_gets_n_and_the_prior_from_the_config() -> None:
