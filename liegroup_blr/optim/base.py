@@ -1,11 +1,11 @@
 r"""The sampling engine every Lie-group rule shares.
 
-One step of every rule is the same loop; only four pieces of arithmetic differ per rule::
+One step of every rule is the same loop; only the arithmetic differs per rule::
 
     for s in 1..S:                      draw():       ξ_s ~ q0 (noise.NoiseSource), θ_s = g·ξ_s
         closure()                                     forward + backward at θ_s
         accumulate(sample, defer=True)                acc += ∇_X ℓ̄(θ_s(X))|_{X=0}
-    propose  M' = β M + (1 − β) P(acc/S − (τ/N)∇_X H)   (in the accumulator, in place)
+    propose  M' = β M + (1 − β) P(acc/S − (τ/N)∇_X H)   (in the accumulator)
     if M' is finite:  commit  M ← M',  g ← g·exp(−α M'),  θ ← point estimate
     else:             skip (state unchanged, RuntimeWarning)
 
@@ -13,11 +13,11 @@ The first sample of a step is deferred: the next draw accumulates it or, in a on
 step, the proposal itself does, in the same pass over the tensors.
 
 :class:`BLROptimizer` owns the loop, :meth:`~BLROptimizer.sampled_params`, the skip on
-non-finite values, the state dict (with the noise generators), gradient unscaling for
-``torch.amp.GradScaler`` and the all-reduce over processes. A rule subclass supplies
-``_new_state`` (the initial element), ``_draw``, ``_accumulate``, ``_propose`` (given the
-deferred sample, if any), ``_commit`` and ``_write_point``; each gathers tensor lists and calls
-its module's kernel functions.
+non-finite values, gradient unscaling for ``torch.amp.GradScaler`` and the all-reduce over
+processes. It gathers each param group's tensors once per step
+(:class:`~.tensors.GroupTensors`) and hands them to the rule, whose class supplies
+``_init_state``, ``_draw``, ``_accumulate``, ``_propose`` and ``_write_point``, each a call
+of its module's functions with the param group's hyperparameters as keywords.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,11 +36,12 @@ from ..noise import NoiseSource
 from .amp import inverse_scale, record_finite, scaler_found_inf
 from .checks import check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
-from .kernels import Parts, Proposal, all_finite, loss_gradients
-from .sample import Deferred, Sample
+from .options import EngineState
+from .scratch import Scratch
 from .state import GroupStateOptimizer
+from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads
 
-__all__ = ["BLROptimizer"]
+__all__ = ["BLROptimizer", "all_finite"]
 
 _POINT_ESTIMATES = ("g", "mean")
 
@@ -65,20 +66,8 @@ class BLROptimizer(GroupStateOptimizer):
         group: the Lie group.
         mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
         point_estimate: ``"g"`` (read at ξ₀ of the group) or ``"mean"`` (at E[ξ]).
-        seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
-            so ``torch.manual_seed`` makes runs reproducible).
-        noise: ``"fresh"`` draws or ``"table"`` (:class:`~liegroup_blr.noise.NoiseTable`).
-        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).
-        table_size: values in each noise table.
-        compile: run the update kernels through ``torch.compile`` (lr enters as a tensor, so
-            schedules do not recompile).
-        process_group: a ``torch.distributed`` group: every process draws its own noise, the
-            algebra-gradient accumulators and sample counts are summed before the update.
-        grad_scaler: a ``torch.amp.GradScaler`` whose scaled backward passes the samples
-            use: each sample's gradients are unscaled before they are accumulated, and each
-            step's inf check is recorded for ``scaler.update()``.
-        max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
-            skipped steps (default: never; every skip warns).
+        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
+            max_consecutive_skips: the engine's options, :class:`~.options.EngineOptions`.
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see amp.py
@@ -106,12 +95,15 @@ class BLROptimizer(GroupStateOptimizer):
         check_count("mc_samples", mc_samples)
         if point_estimate not in _POINT_ESTIMATES:
             raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        if max_consecutive_skips is not None:
+            check_count("max_consecutive_skips", max_consecutive_skips)
         self.lie_group = group
         self.mc_samples = mc_samples
         self.point_estimate = point_estimate
         self.compile = bool(compile)
         self.process_group = process_group
         self.grad_scaler = grad_scaler
+        self.max_consecutive_skips = max_consecutive_skips
         rank = 0 if process_group is None else dist.get_rank(process_group)
         self.noise_source = NoiseSource(
             noise,
@@ -120,59 +112,47 @@ class BLROptimizer(GroupStateOptimizer):
             antithetic=antithetic,
             table_size=table_size,
         )
-        if max_consecutive_skips is not None:
-            check_count("max_consecutive_skips", max_consecutive_skips)
-        self.max_consecutive_skips = max_consecutive_skips
-        self.skipped_steps = 0
-        self._consecutive_skips = 0
-        self._scratch: dict[Tensor, dict[str, Tensor]] = {}
-        self._views: dict[Tensor, dict[int, tuple[Tensor, Parts]]] = {}
-        self._pending: dict[Tensor, None] = {}  # parameters with accumulated samples
-        self._deferred: dict[int, Deferred] = {}  # by id of the param group
-        self._samples = 0
-        self._sampling = False
+        self._engine = EngineState()
+        self._scratch = Scratch()
         super().__init__(params, defaults)
         if process_group is not None:
-            self._broadcast_state()
+            broadcast_elements([s["element"] for s in self.state.values()], process_group)
+            self.restore()
 
     # ------------------------------------------------------------ the rule's part
-    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        """``params ← readout(g·ξ)``; returns what the accumulation needs of the draw (ξ, or
-        a quantity the rule derives from it in its scratch buffers ``"noise"``). ``xi`` may
-        be read-only views of a noise table."""
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        """``t.params ← readout(g·ξ)``; returns the sample's noise as the accumulation reads
+        it (:attr:`Sample.noise`). ``xi`` may be read-only views of a noise table."""
         raise NotImplementedError
 
     def _accumulate(
         self,
         group: dict[str, Any],
-        params: list[Tensor],
+        t: GroupTensors,
         noise: list[Tensor],
         grads: list[Tensor],
         first: bool,
     ) -> None:
-        """Add one sample's algebra gradient to the accumulators ``self._scratch[p]["acc"]``
-        (``first``: overwrite them)."""
+        """Add one sample's algebra gradient to ``t.accs`` (``first``: overwrite them)."""
         raise NotImplementedError
 
     def _propose(
-        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
+        self,
+        group: dict[str, Any],
+        t: GroupTensors,
+        n: int,
+        sample: SampleGrads | None,
     ) -> Proposal | None:
-        """Turn the accumulators (n samples), and the deferred ``sample`` (not yet in them,
-        and then the only one: ``n = 1``), into the new momenta, in the accumulators; return
-        what must be finite for the step to go on (``None``: reject the step)."""
-        raise NotImplementedError
-
-    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """Move the elements along the new momenta (``state["momentum"]``; the accumulators
-        now hold the old momenta and are free) and write the point estimates, or swap in
-        the elements the proposal already moved (:meth:`_spares`)."""
+        """The update from the accumulators (n samples) and the deferred ``sample`` (its
+        noise and gradients: not yet in them, and then the only one, ``n = 1``); ``None``
+        rejects the step."""
         raise NotImplementedError
 
     # --------------------------------------------------------- sample protocol
     @property
     def pending_samples(self) -> int:
         """Samples accumulated since the last update."""
-        return self._samples
+        return self._engine.samples
 
     @torch.no_grad()
     def draw(self, train: bool = True) -> Sample:
@@ -181,21 +161,19 @@ class BLROptimizer(GroupStateOptimizer):
         With ``train=True`` the sample is one of the next step's (antithetic pairing counts
         it); pass the result to :meth:`accumulate` once its gradients are known.
         """
-        self._settle()  # the draw rewrites the noise buffers a deferred sample reads
+        if self._engine.deferred:  # the draw rewrites the noise a deferred sample reads
+            self._accumulate_deferred()
         self.noise_source.start_sample(train)
-        sampled: list[Tensor] = []
+        params: list[Tensor] = []
         noise: list[Tensor] = []
         for index, group in enumerate(self.param_groups):
-            params = self._active(group)
-            if not params:
+            t = self._tensors(index, group)
+            if t is None:
                 continue
-            self._ensure_state(group, params)
-            G = self._group_of(group)
-            bufs = [self._buffer(p, "noise", G.base_shape(p.shape)) for p in params]
-            xi = self.noise_source.sample(bufs, group["base"], params, index)
-            noise += self._draw(group, params, xi)
-            sampled += params
-        return Sample(sampled, sampled, noise)
+            xi = self.noise_source.sample(t.noise, group["base"], t.params, index)
+            noise += self._draw(group, t, xi)
+            params += t.params
+        return Sample(params, params, noise)
 
     @torch.no_grad()
     def accumulate(
@@ -214,58 +192,61 @@ class BLROptimizer(GroupStateOptimizer):
                 :meth:`step` with a closure and :func:`~liegroup_blr.mc.mc_step` do. A
                 gradient changed in place before it is read raises ``RuntimeError``.
         """
-        self._settle()
-        defer = defer and not self._pending  # only the first sample of a step waits
+        engine = self._engine
+        if engine.deferred:
+            self._accumulate_deferred()
+        defer = defer and not engine.pending  # only the first sample of a step waits
         grads = [p.grad for p in sample.params] if grads is None else grads
         at = {p: i for i, p in enumerate(sample.params)}
-        inv_scale = inverse_scale(self.grad_scaler)
-        for group in self.param_groups:
-            idx = [at[p] for p in self._active(group) if p in at and grads[at[p]] is not None]
-            if not idx:
+        inv_scale = 1.0 if self.grad_scaler is None else inverse_scale(self.grad_scaler)
+        for index, group in enumerate(self.param_groups):
+            t = self._tensors(index, group)
+            if t is None:
                 continue
-            G = self._group_of(group)
+            idx = [at.get(p, -1) for p in t.params]
+            has = [i >= 0 and grads[i] is not None for i in idx]
             for first in (True, False):
-                part = [i for i in idx if (sample.params[i] not in self._pending) == first]
-                if not part:
+                keep = [
+                    h and (p not in engine.pending) == first
+                    for h, p in zip(has, t.params, strict=True)
+                ]
+                if not any(keep):
                     continue
-                params = [sample.params[i] for i in part]
-                for p in params:
-                    self._buffer(p, "acc", G.algebra_shape(p.shape))
-                total = self._loss_gradients(
-                    group,
-                    params,
-                    [grads[i] for i in part],  # type: ignore[misc]
-                    [sample.theta[i] for i in part],
-                    inv_scale,
-                )
-                noise = [sample.noise[i] for i in part]
+                part = t if all(keep) else t.subset(keep)
+                rows = [i for i, k in zip(idx, keep, strict=True) if k]
+                noise = [sample.noise[i] for i in rows]
+                total = cast(list[Tensor], [grads[i] for i in rows])
+                if group["prior_precision"] or inv_scale != 1.0:
+                    theta = [sample.theta[i] for i in rows]
+                    total = self._loss_gradients(group, part.params, total, theta, inv_scale)
                 if defer:  # then every parameter is on its first sample
-                    versions = [t._version for t in total]
-                    self._deferred[id(group)] = Deferred(params, noise, total, versions)
+                    versions = [g._version for g in total]
+                    engine.deferred[index] = Deferred(part, noise, total, versions)
                 else:
-                    self._accumulate(group, params, noise, total, first)
-            self._pending.update(dict.fromkeys(sample.params[i] for i in idx))
-        self._samples += 1
+                    self._accumulate(group, part, noise, total, first)
+            engine.pending.update(dict.fromkeys(p for p, h in zip(t.params, has, strict=True) if h))
+        engine.samples += 1
 
-    def _settle(self) -> None:
-        """Accumulate the deferred sample now (the first of its parameters)."""
-        if not self._deferred:
-            return
-        for group in self.param_groups:
-            sample = self._take_deferred(group)
-            if sample is not None:
-                self._accumulate(group, sample.params, sample.noise, sample.grads, True)
+    def _accumulate_deferred(self) -> None:
+        """Accumulate the deferred samples now (each the first of its parameters)."""
+        for index, group in enumerate(self.param_groups):
+            deferred = self._take_deferred(index)
+            if deferred is not None:
+                self._accumulate(group, deferred.tensors, deferred.noise, deferred.grads, True)
 
-    def _take_deferred(self, group: dict[str, Any]) -> Deferred | None:
-        """The deferred sample of ``group`` (removed from the pending ones), checked."""
-        sample = self._deferred.pop(id(group), None)
-        if sample is not None:
-            try:
-                sample.check()
-            except RuntimeError:
-                self.discard()
-                raise
-        return sample
+    def _take_deferred(self, index: int) -> Deferred | None:
+        """Param group ``index``'s deferred sample, removed from the pending step; checked."""
+        deferred = self._engine.deferred.pop(index, None)
+        if deferred is not None and any(
+            g._version != v for g, v in zip(deferred.grads, deferred.versions, strict=True)
+        ):
+            self.discard()
+            raise RuntimeError(
+                "accumulate(..., defer=True): a gradient was changed in place before the "
+                "optimizer read it; the pending samples are discarded (change gradients "
+                "before accumulating them, or accumulate without defer)"
+            )
+        return deferred
 
     def _loss_gradients(
         self,
@@ -275,26 +256,23 @@ class BLROptimizer(GroupStateOptimizer):
         theta: list[Tensor],
         inv_scale: float,
     ) -> list[Tensor]:
-        r""":math:`\nabla\bar\ell_\delta = \nabla\bar\ell + \frac{\delta}{N}\theta` at the
-        sample (the loss gradient unscaled by ``1/s`` of a GradScaler); ``p.grad`` itself
-        when nothing is added, never written to."""
-        decay = group["prior_precision"] / group["data_size"] if group["prior_precision"] else 0
-        if not decay and inv_scale == 1.0:
-            return grads
-        out = [self._buffer(p, "grad", p.shape) for p in params]
-        return loss_gradients(grads, theta, out, inv_scale, decay)
-
-    def _forget(self) -> None:
-        self._deferred.clear()
-        self._pending.clear()
-        self._samples = 0
-        self.noise_source.end_step()
+        r""":math:`\nabla\bar\ell_\delta = s^{-1}\nabla\bar\ell + \frac{\delta}{N}\theta` at the
+        sample (``inv_scale`` = 1/s of a GradScaler), in scratch buffers; ``grads`` are read,
+        never written."""
+        (out,) = self._scratch.take(params, grad=torch.Size)
+        torch._foreach_copy_(out, grads)
+        if inv_scale != 1.0:
+            torch._foreach_mul_(out, inv_scale)
+        if group["prior_precision"]:
+            torch._foreach_add_(out, theta, alpha=group["prior_precision"] / group["data_size"])
+        return out
 
     @torch.no_grad()
     def discard(self) -> None:
         """Abandon the pending samples: nothing is accumulated, and the parameters hold the
         point estimates again."""
-        self._forget()
+        self._engine.end_step()
+        self.noise_source.end_step()
         self.restore()
 
     @contextmanager
@@ -305,16 +283,19 @@ class BLROptimizer(GroupStateOptimizer):
         Monte-Carlo sample of the next :meth:`step` (call ``zero_grad`` inside each block). On
         exit, also on error, the parameters return to the point estimate.
         """
-        if self._sampling:
+        engine = self._engine
+        if engine.sampling:
             raise RuntimeError("sampled_params blocks cannot be nested")
-        self._sampling = True
+        engine.sampling = True
         try:
             sample = self.draw(train)
             yield
             if train:
                 self.accumulate(sample)
         finally:
-            self._sampling = False
+            engine.sampling = False
+            if not engine.samples:
+                engine.tensors.clear()  # parameters may be frozen before the next step
             self.restore()
 
     # ------------------------------------------------------------------- step
@@ -337,7 +318,7 @@ class BLROptimizer(GroupStateOptimizer):
         An exception in the closure abandons the step: nothing is accumulated and the
         parameters hold the point estimate again.
         """
-        if self._sampling:
+        if self._engine.sampling:
             raise RuntimeError("step() cannot be called inside sampled_params()")
         loss = None
         if closure is not None:
@@ -354,7 +335,7 @@ class BLROptimizer(GroupStateOptimizer):
                 raise
             if all(v is not None for v in losses):
                 loss = sum(losses) / len(losses)
-        elif self._samples == 0:
+        elif not self._engine.samples:
             raise RuntimeError(
                 "step() without a closure needs gradients from at least one "
                 "`with optimizer.sampled_params(train=True):` block"
@@ -364,58 +345,79 @@ class BLROptimizer(GroupStateOptimizer):
         return loss
 
     def _update(self, finite: bool) -> None:
-        n = self._samples
-        work = [(g, [p for p in self._active(g) if p in self._pending]) for g in self.param_groups]
-        work = [(g, params) for g, params in work if params]
+        """Propose every param group's update from the pending samples, check, and commit
+        all of them or skip; the parameters then hold the point estimates."""
+        engine = self._engine
+        drawn = dict(engine.tensors)
+        work: list[tuple[int, dict[str, Any], GroupTensors]] = []  # parameters with samples
+        for index, t in drawn.items():
+            keep = [p.requires_grad and p in engine.pending for p in t.params]
+            if any(keep):
+                work.append((index, self.param_groups[index], t if all(keep) else t.subset(keep)))
+        n = engine.samples
         if self.process_group is not None:
-            self._settle()
-            accumulators = [a for _, params in work for a in self._accumulators(params)]
-            n, finite = all_reduce_accumulators(accumulators, n, finite, self.process_group)
-        tensors: list[Tensor] = []
-        sums: list[Tensor] = []
-        for group, params in work if finite else []:
-            proposal = self._propose(group, params, n, self._deferred_of(group, params))
+            self._accumulate_deferred()
+            accs = [a for _, _, t in work for a in t.accs]
+            n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
+        proposals: list[Proposal] = []
+        for index, group, t in work if finite else []:
+            deferred, sample = self._take_deferred(index), None
+            if deferred is not None and (deferred.tensors is t or _same(deferred.tensors, t)):
+                sample = deferred.noise, deferred.grads
+            elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
+                self._accumulate(group, deferred.tensors, deferred.noise, deferred.grads, True)
+            proposal = self._propose(group, t, n, sample)
             if proposal is None:
-                finite = False
                 break
-            tensors += proposal.tensors
-            sums += proposal.sums or [t.sum() for t in proposal.tensors]
-        moved: set[Tensor] = set()
-        if finite and all_finite(tensors, sums):
-            for group, params in work:
-                self._swap(params, "momentum", "acc")  # the old momenta become scratch
-                self._commit(group, params)
-                moved.update(params)
+            proposals.append(proposal)
+        checked = [t for proposal in proposals for t in proposal.checked]
+        sums = [s for pr in proposals for s in (pr.sums or [t.sum() for t in pr.checked])]
+        moved = len(proposals) == len(work) and finite and all_finite(checked, sums)
+        if moved:
+            for (_, _, t), proposal in zip(work, proposals, strict=True):
+                self._commit(t, proposal)
+            engine.consecutive = 0
         elif work:
             self._skip()
-        if moved:
-            self._consecutive_skips = 0
-        record_finite(self.grad_scaler, bool(moved) or not work)
-        self._forget()
-        for group in self.param_groups:  # the rest may still hold a sample
-            rest = [p for p in self._active(group) if p not in moved and p in self.state]
-            if rest:
-                self._write_point(group, rest)
+        if self.grad_scaler is not None:
+            record_finite(self.grad_scaler, moved or not work)
+        engine.end_step()
+        self.noise_source.end_step()
+        done = [t for _, _, t in work] if moved else []
+        if len(done) < len(drawn) or any(t is not drawn[index] for index, _, t in work):
+            self._restore_unmoved(drawn, done)
 
-    def _deferred_of(self, group: dict[str, Any], params: list[Tensor]) -> Deferred | None:
-        """The deferred sample of ``group`` if it covers exactly ``params`` (else it is
-        accumulated, e.g. after a parameter was frozen between accumulate and step)."""
-        sample = self._take_deferred(group)
-        if sample is None or [id(p) for p in sample.params] == [id(p) for p in params]:
-            return sample
-        self._accumulate(group, sample.params, sample.noise, sample.grads, True)
-        return None
+    def _commit(self, t: GroupTensors, proposal: Proposal) -> None:
+        """Take a checked proposal: the new momenta (in the accumulators) swap places with
+        the old ones, then the elements move."""
+        states = [self.state[p] for p in t.params]
+        self._scratch.swap(states, t.params, "momentum", "acc")
+        if proposal.commit is None:  # moved into the spares by the proposal
+            self._scratch.swap(states, t.params, "element", "spare")
+        else:
+            proposal.commit()
+
+    def _restore_unmoved(self, drawn: dict[int, GroupTensors], moved: list[GroupTensors]) -> None:
+        """Write the point estimate into drawn parameters the step did not move."""
+        done = {p for t in moved for p in t.params}
+        for index, t in drawn.items():
+            keep = [p not in done for p in t.params]
+            if any(keep):
+                rest = t.subset(keep)
+                group = self.param_groups[index]
+                self._write_point(group, rest.params, rest.elements, rest.mean)
 
     def _skip(self) -> None:
         """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
         ``max_consecutive_skips`` in a row."""
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        row = self._consecutive_skips
+        engine = self._engine
+        engine.skipped += 1
+        engine.consecutive += 1
+        row = engine.consecutive
         if self.grad_scaler is None or not self.grad_scaler.is_enabled():
             warnings.warn(
                 f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
-                f"optimizer state unchanged ({row} in a row, {self.skipped_steps} in all)",
+                f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -425,9 +427,20 @@ class BLROptimizer(GroupStateOptimizer):
                 "(max_consecutive_skips): the run has diverged; lower the learning rate"
             )
 
-    # ------------------------------------------------------------ distribution
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        """Give every process rank 0's initial elements (and parameters)."""
-        broadcast_elements([s["element"] for s in self.state.values()], self.process_group)
-        self.restore()
+
+def _same(a: GroupTensors, b: GroupTensors) -> bool:
+    """Whether ``a`` and ``b`` hold the same parameters."""
+    return [id(p) for p in a.params] == [id(p) for p in b.params]
+
+
+def all_finite(tensors: list[Tensor], sums: list[Tensor] | None = None) -> bool:
+    """Whether every entry of every tensor is finite (one host sync, two when a sum is not).
+
+    A finite sum has finite terms; a sum that is not finite (an infinite or NaN entry, or an
+    overflow of finite ones) is settled by the extremes, exactly. ``sums``: the tensors'
+    sums, if a kernel made them in its pass."""
+    sums = [t.sum() for t in tensors] if sums is None else sums
+    if not sums or bool(torch.stack(sums).isfinite().all()):
+        return True
+    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    return bool(torch.stack(extremes).isfinite().all())

@@ -1,0 +1,79 @@
+"""The engine's options, declared and documented once, and the engine's mutable state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .tensors import Deferred, GroupTensors
+
+__all__ = ["EngineOptions", "EngineState"]
+
+
+class EngineOptions(TypedDict, total=False):
+    """Keyword-only options every optimizer takes (``**engine``), for the sampling engine
+    (:class:`~liegroup_blr.optim.BLROptimizer`) rather than the rule.
+
+    Keys:
+        seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
+            so ``torch.manual_seed`` makes runs reproducible).
+        noise: ``"fresh"`` draws (default) or ``"table"``
+            (:class:`~liegroup_blr.noise.NoiseTable`: windows of pre-drawn noise).
+        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).
+        table_size: values in each noise table.
+        compile: run each update through ``torch.compile`` (one fused kernel per parameter;
+            lr enters as a tensor, so schedules do not recompile).
+        process_group: a ``torch.distributed`` group: every process draws its own noise, the
+            algebra-gradient accumulators and sample counts are summed before the update.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scaled backward passes the samples
+            use: each sample's gradients are unscaled before they are accumulated, and each
+            step's inf check is recorded for ``scaler.update()``.
+        max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
+            skipped steps (default: never; every skip warns).
+    """
+
+    seed: int | None
+    noise: str
+    antithetic: bool
+    table_size: int | None
+    compile: bool
+    process_group: Any
+    grad_scaler: torch.amp.GradScaler | None
+    max_consecutive_skips: int | None
+
+
+@dataclass
+class EngineState:
+    """Everything the engine changes while it runs, in one object the optimizer holds by
+    reference: a wrapper that copies the optimizer's ``__dict__`` (Lightning's
+    ``LightningOptimizer`` does) shares it, so a sample counted through the wrapper is
+    counted for the optimizer.
+
+    Attributes:
+        samples: samples accumulated since the last update.
+        sampling: inside a :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` block.
+        skipped: updates skipped for non-finite values, in all.
+        consecutive: updates skipped in a row.
+        pending: parameters with accumulated samples (a set, ordered).
+        deferred: the deferred sample of each param group, by its index.
+        tensors: each param group's tensors, gathered once per step (by index).
+    """
+
+    samples: int = 0
+    sampling: bool = False
+    skipped: int = 0
+    consecutive: int = 0
+    pending: dict[Tensor, None] = field(default_factory=dict)
+    deferred: dict[int, Deferred] = field(default_factory=dict)
+    tensors: dict[int, GroupTensors] = field(default_factory=dict)
+
+    def end_step(self) -> None:
+        """Forget the step's samples and tensors."""
+        self.samples = 0
+        self.pending.clear()
+        self.deferred.clear()
+        self.tensors.clear()
