@@ -493,11 +493,13 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
     @contextmanager
     def sampled(self, model: nn.Module, generator: torch.Generator | None = None) -> Iterator[None]:
         """Hold one posterior sample (:meth:`sample`) in ``model``'s parameters for the
-        block, and their previous values again after it, also on error.
+        block, and their previous values again after it, also on error. Parameters the
+        posterior does not hold (:attr:`missing` ones, or a part the optimizer never had)
+        keep their values.
 
         Raises:
-            ValueError: ``model``'s parameter names (or, by position, count) or shapes do
-                not match the posterior's.
+            ValueError: ``model`` lacks one of the posterior's names, has another number of
+                parameters than a posterior keyed by position, or another shape.
         """
         targets = self._targets(model)  # refused before any draw
         with self._holding(targets, self.sample(generator)):
