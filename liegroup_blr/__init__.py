@@ -11,12 +11,14 @@ the group's exponential map with reparameterised gradients. The optimizers are d
 from . import distributions, fisher, groups, mc, noise, optim
 from .mc import mc_step
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
+from .posterior import Posterior
 
 __all__ = [
     "AdditiveBLR",
     "AffineBLR",
     "LieGroupBLR",
     "MultiplicativeBLR",
+    "Posterior",
     "distributions",
     "fisher",
     "groups",
