@@ -178,8 +178,10 @@ class NoiseSource:
                 self.table(base, index, out, largest).window(out.numel(), offset).view(out.shape)
                 for out, offset in zip(outs, offsets.tolist(), strict=True)
             ]
-        elif len({out.device for out in outs}) == 1:
-            xis = sample_each(base, outs, self.generator(outs[0].device))
+        elif len(devices := {out.device for out in outs}) == 1:
+            device = devices.pop()
+            gen = self._generators.get(device) or self.generator(device)
+            xis = sample_each(base, outs, gen)
         else:
             xis = [sample_into(base, out, self.generator(out.device)) for out in outs]
         if self._keep:

@@ -15,68 +15,23 @@ read as a point estimate, saved and loaded in a process that never saw the optim
 from __future__ import annotations
 
 import os
-import secrets
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributions import (
-    Cauchy,
-    Distribution,
-    Exponential,
-    Laplace,
-    LogNormal,
-    Normal,
-    StudentT,
-    Uniform,
-)
+from torch.distributions import Distribution
 
-from .distributions import Dirac, Rayleigh, check_base, sample_into
-from .groups import (
-    AdditiveGroup,
-    DiagonalAffineGroup,
-    FullAffineGroup,
-    LieGroup,
-    MultiplicativeGroup,
-    RotationScalingGroup,
-)
+from . import posterior_io
+from .distributions import check_base, sample_into
+from .groups import DiagonalAffineGroup, LieGroup, MultiplicativeGroup
 
-__all__ = ["FORMAT", "VERSION", "Posterior", "PosteriorEntry"]
-
-FORMAT = "liegroup_blr.Posterior"
-"""The ``"format"`` entry of a posterior's state dict and file."""
-VERSION = 1
-"""The version of the state-dict layout this module writes and reads."""
+__all__ = ["Posterior", "PosteriorEntry"]
 
 _POINT_ESTIMATES = ("g", "mean")
-
-_GROUPS: dict[str, type[LieGroup]] = {
-    cls.__name__: cls
-    for cls in (
-        AdditiveGroup,
-        DiagonalAffineGroup,
-        MultiplicativeGroup,
-        FullAffineGroup,
-        RotationScalingGroup,
-    )
-}
-_BASES: dict[str, tuple[type[Distribution], tuple[str, ...]]] = {
-    "Normal": (Normal, ("loc", "scale")),
-    "Laplace": (Laplace, ("loc", "scale")),
-    "StudentT": (StudentT, ("df", "loc", "scale")),
-    "Uniform": (Uniform, ("low", "high")),
-    "Cauchy": (Cauchy, ("loc", "scale")),
-    "Exponential": (Exponential, ("rate",)),
-    "LogNormal": (LogNormal, ("loc", "scale")),
-    "Rayleigh": (Rayleigh, ("scale",)),
-    "Dirac": (Dirac, ("value",)),
-}
-"""Bases a file restores by name: their constructor parameters are stored as tensors."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,7 +150,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         )
         rows = [
             f"  {key!s}: {tuple(e.shape)} {type(e.group).__name__}({e.group.extra_repr()}) "
-            f"{_describe_base(e.base)}"
+            f"{posterior_io.describe_base(e.base)}"
             for key, e in self.items()
         ]
         return "\n".join([head, *rows])
@@ -246,7 +201,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
             )
         return cls(
             entries,
-            point_estimate=optimizer.point_estimate,
+            point_estimate=optimizer.point_convention,
             fused=isinstance(optimizer, (AdditiveBLR, AffineBLR, MultiplicativeBLR)),
             missing=missing,
             size=position,
@@ -275,40 +230,9 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
     def state_dict(self) -> dict[str, Any]:
         """Everything as tensors, strings, numbers, lists and dicts (loadable with
         ``torch.load(weights_only=True)``): each distinct group and base once, by class name
-        and constructor parameters, and per entry its key, shape, element and their indices.
-        """
-        groups: dict[int, int] = {}
-        bases: dict[int, int] = {}
-        group_specs: list[dict[str, Any]] = []
-        base_specs: list[dict[str, Any]] = []
-        rows = []
-        for key, e in self.items():
-            if id(e.group) not in groups:
-                groups[id(e.group)] = len(group_specs)
-                group_specs.append(_group_spec(e.group))
-            if id(e.base) not in bases:
-                bases[id(e.base)] = len(base_specs)
-                base_specs.append(_base_spec(e.base))
-            rows.append(
-                {
-                    "key": key,
-                    "shape": list(e.shape),
-                    "group": groups[id(e.group)],
-                    "base": bases[id(e.base)],
-                    "element": e.element.detach().clone(),
-                }
-            )
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "point_estimate": self.point_estimate,
-            "fused": self.fused,
-            "size": self.size,
-            "missing": list(self.missing),
-            "groups": group_specs,
-            "bases": base_specs,
-            "entries": rows,
-        }
+        and constructor parameters, and per entry its key, shape, element and their indices
+        (:mod:`liegroup_blr.posterior_io`)."""
+        return posterior_io.state_dict(self)
 
     @classmethod
     def from_state_dict(
@@ -328,47 +252,13 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
             ValueError: in one line, for a dict that is not a posterior's, of another format
                 version, malformed, or whose custom groups or bases were not passed.
         """
-        if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
-            raise ValueError(
-                f"state_dict: not a liegroup_blr Posterior (no 'format': {FORMAT!r} entry)"
-            )
-        if state_dict.get("version") != VERSION:
-            raise ValueError(
-                f"state_dict: Posterior format version {state_dict.get('version')!r}; this "
-                f"liegroup_blr reads version {VERSION}"
-            )
-        try:
-            entries = {}
-            for row in state_dict["entries"]:
-                key = row["key"]
-                entries[key] = PosteriorEntry(
-                    _as_tensor(row["element"], key),
-                    _restore(state_dict["groups"][row["group"]], key, groups, "groups"),
-                    _restore(state_dict["bases"][row["base"]], key, bases, "bases"),
-                    torch.Size(row["shape"]),
-                )
-            return cls(
-                entries,
-                point_estimate=state_dict["point_estimate"],
-                fused=state_dict["fused"],
-                missing=state_dict["missing"],
-                size=state_dict["size"],
-            )
-        except (KeyError, IndexError, TypeError, AttributeError) as err:
-            raise ValueError(
-                f"state_dict: a malformed Posterior state dict ({type(err).__name__}: {err})"
-            ) from None
+        entries, options = posterior_io.entries(state_dict, groups, bases, PosteriorEntry)
+        return cls(entries, **options)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` with ``torch.save`` to a temporary file beside ``path``,
         then move it into place (atomic: ``path`` is never a partial file)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            torch.save(self.state_dict(), tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        posterior_io.save(self.state_dict(), path)
 
     @classmethod
     def load(
@@ -385,16 +275,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
             ValueError: in one line, for a file that cannot be read (truncated, corrupt, or
                 holding more than weights) or is not a posterior's.
         """
-        try:
-            state_dict = torch.load(path, map_location=map_location, weights_only=True)
-        except FileNotFoundError:
-            raise
-        except Exception as err:
-            reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-            raise ValueError(
-                f"path: {os.fspath(path)!r} is not a readable Posterior file (truncated, corrupt "
-                f"or not weights-only; torch.load: {type(err).__name__}: {reason})"
-            ) from None
+        state_dict = posterior_io.load(path, map_location)
         try:
             return cls.from_state_dict(state_dict, groups, bases)
         except ValueError as err:
@@ -517,55 +398,3 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         values = self.point_estimates()
         for key, p in self._targets(model):
             p.copy_(values[key])
-
-
-# ------------------------------------------------------------------ serialisation
-def _group_spec(group: LieGroup) -> dict[str, Any]:
-    spec: dict[str, Any] = {"name": type(group).__name__}
-    if type(group) is MultiplicativeGroup:
-        spec["signed"] = bool(group.signed)
-    return spec
-
-
-def _base_spec(base: Distribution) -> dict[str, Any]:
-    name = type(base).__name__
-    known = _BASES.get(name)
-    if known is None or type(base) is not known[0]:
-        return {"name": name}
-    return {"name": name, "params": {k: getattr(base, k).detach().clone() for k in known[1]}}
-
-
-def _describe_base(base: Distribution) -> str:
-    spec = _base_spec(base)
-    params = ", ".join(f"{k}={float(v):g}" for k, v in spec.get("params", {}).items())
-    return f"{spec['name']}({params})"
-
-
-def _as_tensor(value: Any, key: str | int) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"entry {key!r}: element is a {type(value).__name__}, not a tensor")
-    return value
-
-
-def _restore(spec: Mapping[str, Any], key: str | int, passed: Any, kind: str) -> Any:
-    """The group or base of entry ``key``: passed by the caller (by key, by class name, or
-    one object for all), else rebuilt from a built-in name; ValueError naming what to pass."""
-    name = spec["name"]
-    if isinstance(passed, Mapping):
-        obj = passed.get(key, passed.get(name))
-    else:  # one object for every entry saved with its class
-        obj = passed if type(passed).__name__ == name else None
-    if obj is None:
-        if kind == "groups" and name in _GROUPS:
-            return _GROUPS[name](**{k: v for k, v in spec.items() if k != "name"})
-        if kind == "bases" and "params" in spec:
-            return _BASES[name][0](**spec["params"])
-        raise ValueError(
-            f"{kind}: entry {key!r} was saved with the custom {name!r}, which a file cannot "
-            f"hold; pass it: Posterior.load(path, {kind}={{{name!r}: ...}})"
-        )
-    if type(obj).__name__ != name:
-        raise ValueError(
-            f"{kind}: entry {key!r} was saved with a {name!r}, got a {type(obj).__name__!r}"
-        )
-    return obj

@@ -32,7 +32,6 @@ from liegroup_blr.optim.affine import (
     affine_readout_,
     affine_update,
 )
-from liegroup_blr.optim.base import all_finite
 from liegroup_blr.optim.kernel_utils import rows as parts
 from liegroup_blr.optim.multiplicative import (
     multiplicative_accumulate,
@@ -42,6 +41,7 @@ from liegroup_blr.optim.multiplicative import (
     multiplicative_readout_,
     multiplicative_update,
 )
+from liegroup_blr.optim.tensors import all_finite
 
 from .test_optim import DTYPE, FACTORIES, closure_for, make_problem, snapshot
 

@@ -34,7 +34,8 @@ from liegroup_blr.groups import (
     RotationScalingGroup,
 )
 from liegroup_blr.optim import BLROptimizer
-from liegroup_blr.posterior import FORMAT, Posterior
+from liegroup_blr.posterior import Posterior
+from liegroup_blr.posterior_io import FORMAT
 from liegroup_blr.predictive import predictive_log_probs
 
 Z = 5.0
@@ -167,22 +168,8 @@ def test_a_sample_is_the_optimizers_bit_for_bit_given_its_noise(rule: str) -> No
     assert all(bool((p == 0).all()) for p in other.parameters())
 
 
-ROUNDS_TWICE = pytest.mark.xfail(
-    strict=True,
-    reason="MultiplicativeBLR rounds g⁺ − g⁻ to the parameter's dtype before × E[ξ]; the "
-    "posterior rounds (g⁺ − g⁻)·E[ξ] once, from the float32 state",
-)
-
-
 @pytest.mark.parametrize(
-    ("rule", "point_estimate"),
-    [
-        (rule, pe)
-        if (rule, pe) != ("multiplicative", "mean")
-        else pytest.param(rule, pe, marks=ROUNDS_TWICE)
-        for rule in RULES
-        for pe in ("g", "mean")
-    ],
+    ("rule", "point_estimate"), [(r, pe) for r in RULES for pe in ("g", "mean")]
 )
 def test_half_precision_parameters(rule: str, point_estimate: str) -> None:
     """bfloat16 parameters, float32 state: θ and the point estimate rounded to bfloat16 as

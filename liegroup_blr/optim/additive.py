@@ -178,12 +178,6 @@ def additive_readout_(params: list[Tensor], elements: list[Tensor], *, mean: flo
 
 
 # ------------------------------------------------------------ the implementations
-def _additive_eager(t: GroupTensors, grads, *, n, beta, lr) -> Proposal:
-    """The new momenta in place now; the elements and parameters once the step is taken."""
-    additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads)
-    return Proposal(t.accs, commit=partial(_additive_commit, t, lr=lr))
-
-
 def _additive_commit(t: GroupTensors, *, lr: float) -> None:
     additive_move_(t.elements, t.accs, lr=lr)  # the accumulators hold the new momenta
     additive_readout_(t.params, t.elements, mean=t.mean)
@@ -231,7 +225,8 @@ def additive(
     the ``grads`` of its one deferred sample: eager, in place, or as one compiled kernel per
     parameter into the spares."""
     if not compile:
-        return _additive_eager(t, grads, n=n, beta=beta, lr=lr)
+        additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads)
+        return Proposal(t.accs, commit=partial(_additive_commit, t, lr=lr))
     rate = torch.tensor(lr, dtype=t.elements[0].dtype)  # a tensor: schedules do not recompile
     sums = compiled(additive_update)(
         t.accs,

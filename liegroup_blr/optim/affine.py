@@ -275,13 +275,6 @@ def affine_readout_(params: list[Tensor], elements: list[Tensor], *, mean: float
 
 
 # ------------------------------------------------------------ the implementations
-def _affine_eager(t: GroupTensors, sample, *, n, betas, shift, lr, scale_lr) -> Proposal:
-    """The new momenta in place now; the elements and parameters once the step is taken."""
-    affine_momentum_(t.accs, t.momenta, t.elements, n=n, betas=betas, shift=shift, sample=sample)
-    commit = partial(_affine_commit, t, lr=lr, scale_lr=scale_lr)
-    return Proposal(t.accs, commit=commit)
-
-
 def _affine_commit(t: GroupTensors, *, lr: float, scale_lr: float) -> None:
     # the accumulators hold the new momenta, the momenta lists the old ones: free
     affine_move_(t.elements, t.accs, t.momenta, lr=lr, scale_lr=scale_lr)
@@ -342,7 +335,11 @@ def affine(
     its one deferred ``sample`` (ξ, ∇ℓ̄_δ): eager, in place, or as one compiled kernel per
     parameter into the spares."""
     if not compile:
-        return _affine_eager(t, sample, n=n, betas=betas, shift=shift, lr=lr, scale_lr=scale_lr)
+        affine_momentum_(
+            t.accs, t.momenta, t.elements, n=n, betas=betas, shift=shift, sample=sample
+        )
+        commit = partial(_affine_commit, t, lr=lr, scale_lr=scale_lr)
+        return Proposal(t.accs, commit=commit)
     dtype = t.elements[0].dtype  # step sizes as tensors: schedules do not recompile
     sums = compiled(affine_update)(
         *(t.rows(ts, True) for ts in (t.accs, t.momenta, t.elements, t.spares)),  # type: ignore[arg-type]

@@ -23,8 +23,8 @@ of its module's functions with the param group's hyperparameters as keywords.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -33,20 +33,23 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
-from .amp import inverse_scale, record_finite, scaler_found_inf
-from .checks import check_count
+from .amp import inverse_scale, record_finite, scaler_step
+from .checks import check_choice, check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
+from .holding import SampleHolding
 from .options import EngineState
 from .scratch import Scratch
-from .state import GroupStateOptimizer
-from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads
+from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads, all_finite
 
-__all__ = ["BLROptimizer", "all_finite"]
+__all__ = ["BLROptimizer"]
 
-_POINT_ESTIMATES = ("g", "mean")
+POINT_ESTIMATES = ("g", "mean")
+"""Where the point estimate is read: at the group's reference point ξ₀, or at E[ξ]."""
+BETWEEN_STEPS = ("point", "sample")
+"""What the parameters hold between steps: the point estimate, or a fresh sample."""
 
 
-class BLROptimizer(GroupStateOptimizer):
+class BLROptimizer(SampleHolding):
     r"""Base class of the Lie-group rules: the Monte-Carlo loop and everything rules share.
 
     Each trained parameter θ is the readout of :math:`g \cdot \xi`, :math:`\xi \sim q_0`, with
@@ -59,6 +62,9 @@ class BLROptimizer(GroupStateOptimizer):
     drawn or accumulated or the step is taken; :meth:`restore` writes the point estimates back;
     :attr:`pending_samples` counts what :meth:`step` (without a closure) will average.
 
+    The keyword-only arguments after ``point_estimate`` are the engine's options,
+    :class:`~liegroup_blr.optim.EngineOptions`.
+
     Args:
         params: parameters or param groups.
         defaults: per-group hyperparameters (``lr``, ``momentum``, ``base``, ``data_size``,
@@ -66,11 +72,9 @@ class BLROptimizer(GroupStateOptimizer):
         group: the Lie group.
         mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
         point_estimate: ``"g"`` (read at ξ₀ of the group) or ``"mean"`` (at E[ξ]).
-        seed, noise, antithetic, table_size, compile, process_group, grad_scaler,
-            max_consecutive_skips: the engine's options, :class:`~.options.EngineOptions`.
     """
 
-    _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see amp.py
+    _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
     lie_group: LieGroup
 
     def __init__(
@@ -81,6 +85,7 @@ class BLROptimizer(GroupStateOptimizer):
         *,
         mc_samples: int = 1,
         point_estimate: str = "g",
+        between_steps: str = "point",
         seed: int | None = None,
         noise: str = "fresh",
         antithetic: bool = False,
@@ -93,13 +98,14 @@ class BLROptimizer(GroupStateOptimizer):
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
         check_count("mc_samples", mc_samples)
-        if point_estimate not in _POINT_ESTIMATES:
-            raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        check_choice("point_estimate", point_estimate, POINT_ESTIMATES)
+        check_choice("between_steps", between_steps, BETWEEN_STEPS)
         if max_consecutive_skips is not None:
             check_count("max_consecutive_skips", max_consecutive_skips)
         self.lie_group = group
         self.mc_samples = mc_samples
-        self.point_estimate = point_estimate
+        self.point_convention = point_estimate
+        self.between_steps = between_steps
         self.compile = bool(compile)
         self.process_group = process_group
         self.grad_scaler = grad_scaler
@@ -118,6 +124,9 @@ class BLROptimizer(GroupStateOptimizer):
         if process_group is not None:
             broadcast_elements([s["element"] for s in self.state.values()], process_group)
             self.restore()
+        self._fresh_gradients()  # gradients from before construction are nobody's sample
+        if between_steps == "sample":
+            self._draw_resident()
 
     # ------------------------------------------------------------ the rule's part
     def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
@@ -186,21 +195,26 @@ class BLROptimizer(GroupStateOptimizer):
             grads: ∇ℓ̄ at the sample per parameter of ``sample.params`` (default: each
                 ``p.grad``); parameters with no gradient are left out of this sample.
             defer: keep references to the gradients and the sample's noise and read them
-                later: at the next :meth:`draw` or :meth:`accumulate`, or, for the first
-                sample of a step, in the update itself (a one-sample step then reads them
-                once instead of writing and re-reading an accumulator). What
-                :meth:`step` with a closure and :func:`~liegroup_blr.mc.mc_step` do. A
-                gradient changed in place before it is read raises ``RuntimeError``.
+                later: at the next :meth:`draw` or :meth:`accumulate`, or in the update
+                itself (a one-sample step then reads them once instead of writing and
+                re-reading an accumulator, and a ``GradScaler.step`` that drives the update
+                unscales them). What :meth:`step` with a closure, ``sampled_params(train=True)``
+                and :func:`~liegroup_blr.mc.mc_step` do. A gradient changed in place before
+                it is read raises ``RuntimeError``.
         """
+        self._accumulate_sample(sample, grads, defer)
+        self._fresh_gradients()  # the engine has seen them: not made outside a step
+
+    def _accumulate_sample(
+        self, sample: Sample, grads: list[Tensor | None] | None, defer: bool
+    ) -> None:
         engine = self._engine
         if engine.deferred:
             self._accumulate_deferred()
-        defer = defer and not engine.pending  # only the first sample of a step waits
         grads = [p.grad for p in sample.params] if grads is None else grads
         at = {p: i for i, p in enumerate(sample.params)}
-        inv_scale = 1.0 if self.grad_scaler is None else inverse_scale(self.grad_scaler)
         for index, group in enumerate(self.param_groups):
-            t = self._tensors(index, group)
+            t = engine.tensors.get(index) or self._tensors(index, group)  # gathered by the draw
             if t is None:
                 continue
             idx = [at.get(p, -1) for p in t.params]
@@ -214,89 +228,71 @@ class BLROptimizer(GroupStateOptimizer):
                     continue
                 part = t if all(keep) else t.subset(keep)
                 rows = [i for i, k in zip(idx, keep, strict=True) if k]
-                noise = [sample.noise[i] for i in rows]
-                total = cast(list[Tensor], [grads[i] for i in rows])
-                if group["prior_precision"] or inv_scale != 1.0:
-                    theta = [sample.theta[i] for i in rows]
-                    total = self._loss_gradients(group, part.params, total, theta, inv_scale)
-                if defer:  # then every parameter is on its first sample
-                    versions = [g._version for g in total]
-                    engine.deferred[index] = Deferred(part, noise, total, versions)
+                raw = cast(list[Tensor], [grads[i] for i in rows])
+                decay = None
+                if group["prior_precision"]:  # (δ/N)θ while θ is the sample's
+                    (decay,) = self._scratch.take(part.params, grad=torch.Size)
+                    torch._foreach_copy_(decay, [sample.theta[i] for i in rows])
+                    torch._foreach_mul_(decay, group["prior_precision"] / group["data_size"])
+                deferred = Deferred(part, [sample.noise[i] for i in rows], raw, decay, first)
+                if defer:
+                    deferred.versions = [g._version for g in raw]
+                    engine.deferred[index] = deferred
                 else:
-                    self._accumulate(group, part, noise, total, first)
+                    total = deferred.gradients(inverse_scale(self), self._scratch)
+                    self._accumulate(group, part, deferred.noise, total, first)
             engine.pending.update(dict.fromkeys(p for p, h in zip(t.params, has, strict=True) if h))
         engine.samples += 1
 
     def _accumulate_deferred(self) -> None:
-        """Accumulate the deferred samples now (each the first of its parameters)."""
+        """Accumulate the deferred samples now."""
         for index, group in enumerate(self.param_groups):
             deferred = self._take_deferred(index)
             if deferred is not None:
-                self._accumulate(group, deferred.tensors, deferred.noise, deferred.grads, True)
+                grads = deferred.gradients(inverse_scale(self), self._scratch)
+                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
 
     def _take_deferred(self, index: int) -> Deferred | None:
         """Param group ``index``'s deferred sample, removed from the pending step; checked."""
         deferred = self._engine.deferred.pop(index, None)
         if deferred is not None and any(
-            g._version != v for g, v in zip(deferred.grads, deferred.versions, strict=True)
+            g._version != v for g, v in zip(deferred.raw, deferred.versions, strict=True)
         ):
             self.discard()
             raise RuntimeError(
-                "accumulate(..., defer=True): a gradient was changed in place before the "
-                "optimizer read it; the pending samples are discarded (change gradients "
-                "before accumulating them, or accumulate without defer)"
+                "a gradient was changed in place before the optimizer read it (accumulate("
+                "defer=True), a sampled_params(train=True) block); the pending samples are "
+                "discarded: change gradients inside the block, or use between_steps='sample', "
+                "whose step() reads p.grad as it finds it"
             )
         return deferred
-
-    def _loss_gradients(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        theta: list[Tensor],
-        inv_scale: float,
-    ) -> list[Tensor]:
-        r""":math:`\nabla\bar\ell_\delta = s^{-1}\nabla\bar\ell + \frac{\delta}{N}\theta` at the
-        sample (``inv_scale`` = 1/s of a GradScaler), in scratch buffers; ``grads`` are read,
-        never written."""
-        (out,) = self._scratch.take(params, grad=torch.Size)
-        torch._foreach_copy_(out, grads)
-        if inv_scale != 1.0:
-            torch._foreach_mul_(out, inv_scale)
-        if group["prior_precision"]:
-            torch._foreach_add_(out, theta, alpha=group["prior_precision"] / group["data_size"])
-        return out
 
     @torch.no_grad()
     def discard(self) -> None:
         """Abandon the pending samples: nothing is accumulated, and the parameters hold the
-        point estimates again."""
-        self._engine.end_step()
-        self.noise_source.end_step()
-        self.restore()
+        point estimates again (between_steps="sample": a fresh sample); gradients left by
+        the abandoned samples are nobody's."""
+        self._end_step()
+        self._fresh_gradients()
+        self._between_steps()
 
-    @contextmanager
-    def sampled_params(self, train: bool = False) -> Iterator[None]:
-        """Hold one posterior sample θ = readout(g·ξ) in the parameters for the block.
-
-        With ``train=True`` the gradients the block leaves in ``p.grad`` are accumulated as one
-        Monte-Carlo sample of the next :meth:`step` (call ``zero_grad`` inside each block). On
-        exit, also on error, the parameters return to the point estimate.
-        """
-        engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("sampled_params blocks cannot be nested")
-        engine.sampling = True
-        try:
-            sample = self.draw(train)
-            yield
-            if train:
-                self.accumulate(sample)
-        finally:
-            engine.sampling = False
-            if not engine.samples:
-                engine.tensors.clear()  # parameters may be frozen before the next step
-            self.restore()
+    def _fresh_gradients(self) -> list[Tensor]:
+        """The gradients of trained parameters made or changed since the engine last looked,
+        remembered now: by a weak reference (a new tensor where a freed one was is not
+        taken for it) and the version counter (every in-place change bumps it). A parameter
+        the engine never looked at (added later, or in a copy) is only remembered."""
+        marks, fresh = self._engine.marks, []
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                version = -1 if g is None else g._version
+                mark = marks.get(p)
+                if not p.requires_grad or (mark and mark[0]() is g and mark[1] == version):
+                    continue
+                marks[p] = (_GONE if g is None else weakref.ref(g), version)  # type: ignore[assignment]
+                if g is not None and mark is not None:
+                    fresh.append(g)
+        return fresh
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -306,8 +302,11 @@ class BLROptimizer(GroupStateOptimizer):
         Args:
             closure: zeroes the gradients, evaluates the loss ℓ̄, calls ``backward`` and
                 returns the loss (or ``None``); called ``mc_samples`` times, each at a fresh
-                sample θ. Without a closure, the samples accumulated by
-                ``sampled_params(train=True)`` blocks (or :meth:`accumulate`) are used.
+                sample θ (with ``between_steps="sample"`` the first is the sample the
+                parameters hold). Without a closure: the samples of
+                ``sampled_params(train=True)`` blocks (or :meth:`accumulate`), or, with
+                ``between_steps="sample"``, ``p.grad`` as the gradient at the parameters'
+                sample.
 
         Returns:
             the mean closure loss over samples (``None`` without a closure or when the
@@ -316,41 +315,57 @@ class BLROptimizer(GroupStateOptimizer):
         A non-finite loss or algebra gradient skips the update with a ``RuntimeWarning``:
         group elements and momenta are left exactly as they were (``skipped_steps`` counts).
         An exception in the closure abandons the step: nothing is accumulated and the
-        parameters hold the point estimate again.
+        parameters hold the point estimate again (a fresh sample in sample mode). Driven
+        by ``GradScaler.step(optimizer)``, a step whose gradients hold an inf is skipped
+        (the scaler backs off) and the loss scale is taken off the gradients.
         """
-        if self._engine.sampling:
+        engine = self._engine
+        if engine.sampling:
             raise RuntimeError("step() cannot be called inside sampled_params()")
+        inv_scale, found_inf = scaler_step(self, closure)
         loss = None
         if closure is not None:
-            losses = []
-            try:
-                for _ in range(self.mc_samples):
-                    sample = self.draw(train=True)
-                    with torch.enable_grad():
-                        value = closure()
-                    self.accumulate(sample, defer=True)
-                    losses.append(value.detach() if isinstance(value, Tensor) else value)
-            except BaseException:
-                self.discard()
-                raise
-            if all(v is not None for v in losses):
-                loss = sum(losses) / len(losses)
-        elif not self._engine.samples:
+            loss = self._closure_samples(closure)
+        elif self.between_steps == "sample" and not engine.samples:
+            self._read_resident()
+        elif not engine.samples:
             raise RuntimeError(
                 "step() without a closure needs gradients from at least one "
-                "`with optimizer.sampled_params(train=True):` block"
+                "`with optimizer.sampled_params(train=True):` block; to step on p.grad as "
+                "torch.optim does (Hugging Face Trainer, accelerate, gradient accumulation), "
+                "construct the optimizer with between_steps='sample'"
             )
         finite = loss is None or bool(torch.isfinite(torch.as_tensor(loss)).all())
-        self._update(finite and not scaler_found_inf(self))
+        self._update(finite and not found_inf, inv_scale)
         return loss
 
-    def _update(self, finite: bool) -> None:
-        """Propose every param group's update from the pending samples, check, and commit
-        all of them or skip; the parameters then hold the point estimates."""
+    def _closure_samples(self, closure: Callable[[], Any]) -> Any:
+        """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
         engine = self._engine
-        drawn = dict(engine.tensors)
+        fresh = self._fresh_gradients()
+        if fresh and bool(torch.stack([g.abs().amax() for g in fresh]).gt(0).any()):
+            self._refuse_outside_gradients()
+        losses = []
+        try:
+            for s in range(self.mc_samples):
+                sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
+                with torch.enable_grad():
+                    value = closure()
+                if self._fresh_gradients():  # a closure that made none takes no sample
+                    self._accumulate_sample(sample, None, defer=True)
+                    losses.append(value.detach() if isinstance(value, Tensor) else value)
+        except BaseException:
+            self.discard()
+            raise
+        return sum(losses) / len(losses) if losses and None not in losses else None
+
+    def _update(self, finite: bool, inv_scale: float) -> None:
+        """Propose every param group's update from the pending samples, check, and commit
+        all of them or skip; then the parameters hold the point estimates (or, with
+        ``between_steps="sample"``, the next sample)."""
+        engine = self._engine
         work: list[tuple[int, dict[str, Any], GroupTensors]] = []  # parameters with samples
-        for index, t in drawn.items():
+        for index, t in engine.tensors.items():
             keep = [p.requires_grad and p in engine.pending for p in t.params]
             if any(keep):
                 work.append((index, self.param_groups[index], t if all(keep) else t.subset(keep)))
@@ -362,10 +377,18 @@ class BLROptimizer(GroupStateOptimizer):
         proposals: list[Proposal] = []
         for index, group, t in work if finite else []:
             deferred, sample = self._take_deferred(index), None
-            if deferred is not None and (deferred.tensors is t or _same(deferred.tensors, t)):
-                sample = deferred.noise, deferred.grads
+            if deferred is not None:  # the gradients as the step sees them
+                grads = deferred.raw
+                if deferred.decay is not None or inv_scale != 1.0:
+                    grads = deferred.gradients(inv_scale, self._scratch)
+            if (
+                deferred is not None
+                and deferred.first
+                and (deferred.tensors is t or _same(deferred.tensors, t))
+            ):
+                sample = deferred.noise, grads  # the step's one sample
             elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
-                self._accumulate(group, deferred.tensors, deferred.noise, deferred.grads, True)
+                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
             proposal = self._propose(group, t, n, sample)
             if proposal is None:
                 break
@@ -375,37 +398,24 @@ class BLROptimizer(GroupStateOptimizer):
         moved = len(proposals) == len(work) and finite and all_finite(checked, sums)
         if moved:
             for (_, _, t), proposal in zip(work, proposals, strict=True):
-                self._commit(t, proposal)
+                states = [self.state[p] for p in t.params]  # the new momenta take the old
+                self._scratch.swap(states, t.params, "momentum", "acc")  # ones' place
+                if proposal.commit is None:  # moved into the spares by the proposal
+                    self._scratch.swap(states, t.params, "element", "spare")
+                else:
+                    proposal.commit()
             engine.consecutive = 0
         elif work:
             self._skip()
         if self.grad_scaler is not None:
             record_finite(self.grad_scaler, moved or not work)
+        drawn = dict(engine.tensors)
         engine.end_step()
         self.noise_source.end_step()
-        done = [t for _, _, t in work] if moved else []
-        if len(done) < len(drawn) or any(t is not drawn[index] for index, _, t in work):
-            self._restore_unmoved(drawn, done)
-
-    def _commit(self, t: GroupTensors, proposal: Proposal) -> None:
-        """Take a checked proposal: the new momenta (in the accumulators) swap places with
-        the old ones, then the elements move."""
-        states = [self.state[p] for p in t.params]
-        self._scratch.swap(states, t.params, "momentum", "acc")
-        if proposal.commit is None:  # moved into the spares by the proposal
-            self._scratch.swap(states, t.params, "element", "spare")
-        else:
-            proposal.commit()
-
-    def _restore_unmoved(self, drawn: dict[int, GroupTensors], moved: list[GroupTensors]) -> None:
-        """Write the point estimate into drawn parameters the step did not move."""
-        done = {p for t in moved for p in t.params}
-        for index, t in drawn.items():
-            keep = [p not in done for p in t.params]
-            if any(keep):
-                rest = t.subset(keep)
-                group = self.param_groups[index]
-                self._write_point(group, rest.params, rest.elements, rest.mean)
+        if self.between_steps == "sample":
+            self._draw_resident()
+        elif len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
+            self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
 
     def _skip(self) -> None:
         """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
@@ -428,19 +438,13 @@ class BLROptimizer(GroupStateOptimizer):
             )
 
 
+class _Gone:
+    """Weak references to a missing gradient point here: nowhere."""
+
+
+_GONE = weakref.ref(_Gone())
+
+
 def _same(a: GroupTensors, b: GroupTensors) -> bool:
     """Whether ``a`` and ``b`` hold the same parameters."""
-    return [id(p) for p in a.params] == [id(p) for p in b.params]
-
-
-def all_finite(tensors: list[Tensor], sums: list[Tensor] | None = None) -> bool:
-    """Whether every entry of every tensor is finite (one host sync, two when a sum is not).
-
-    A finite sum has finite terms; a sum that is not finite (an infinite or NaN entry, or an
-    overflow of finite ones) is settled by the extremes, exactly. ``sums``: the tensors'
-    sums, if a kernel made them in its pass."""
-    sums = [t.sum() for t in tensors] if sums is None else sums
-    if not sums or bool(torch.stack(sums).isfinite().all()):
-        return True
-    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
-    return bool(torch.stack(extremes).isfinite().all())
+    return a is b or [id(p) for p in a.params] == [id(p) for p in b.params]

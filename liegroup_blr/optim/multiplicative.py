@@ -264,6 +264,9 @@ def multiplicative_readout_(
 ) -> None:
     """:func:`multiplicative_readout` into the parameters (of elements, or of products w)."""
     for p, g in zip(params, elements, strict=True):
+        if mean is not None and p.dtype != g.dtype:  # a half-precision θ: rounded once
+            p.copy_((g[0] - g[1] if signed else g) * mean)
+            continue
         if signed:
             torch.sub(g[0], g[1], out=p)  # a half-precision θ: rounded once, after the difference
         else:
@@ -273,14 +276,6 @@ def multiplicative_readout_(
 
 
 # ------------------------------------------------------------ the implementations
-def _multiplicative_eager(t: GroupTensors, sample, *, n, beta, shift, lr, signed) -> Proposal:
-    """The new momenta in place now; the elements and parameters once the step is taken."""
-    multiplicative_momentum_(
-        t.accs, t.momenta, n=n, beta=beta, shift=shift, signed=signed, sample=sample
-    )
-    return Proposal(t.accs, commit=partial(_multiplicative_commit, t, lr=lr, signed=signed))
-
-
 def _multiplicative_commit(t: GroupTensors, *, lr: float, signed: bool) -> None:
     # the accumulators hold the new momenta, the momenta lists the old ones: free
     multiplicative_move_(t.elements, t.accs, t.momenta, lr=lr)
@@ -341,7 +336,10 @@ def multiplicative(
     samples) or its one deferred ``sample`` (w, ∇ℓ̄_δ): eager, in place, or as one compiled
     kernel per parameter into the spares."""
     if not compile:
-        return _multiplicative_eager(t, sample, n=n, beta=beta, shift=shift, lr=lr, signed=signed)
+        multiplicative_momentum_(
+            t.accs, t.momenta, n=n, beta=beta, shift=shift, signed=signed, sample=sample
+        )
+        return Proposal(t.accs, commit=partial(_multiplicative_commit, t, lr=lr, signed=signed))
     rows = None if sample is None else (t.rows(sample[0], signed), sample[1])
     sums = compiled(multiplicative_update)(
         *(t.rows(ts, signed) for ts in (t.accs, t.momenta, t.elements, t.spares)),  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -9,7 +10,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .tensors import Deferred, GroupTensors
+    from .tensors import Deferred, GroupTensors, Sample
 
 __all__ = ["EngineOptions", "EngineState"]
 
@@ -18,7 +19,7 @@ class EngineOptions(TypedDict, total=False):
     """Keyword-only options every optimizer takes (``**engine``), for the sampling engine
     (:class:`~liegroup_blr.optim.BLROptimizer`) rather than the rule.
 
-    Keys:
+    Attributes:
         seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
             so ``torch.manual_seed`` makes runs reproducible).
         noise: ``"fresh"`` draws (default) or ``"table"``
@@ -34,6 +35,13 @@ class EngineOptions(TypedDict, total=False):
             step's inf check is recorded for ``scaler.update()``.
         max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
             skipped steps (default: never; every skip warns).
+        between_steps: what the parameters hold between steps: ``"point"`` (default), the
+            point estimate; ``"sample"``, a fresh posterior sample θ = g·ξ, drawn after
+            every step, so any training loop's forward and backward run at a sample and
+            :meth:`~liegroup_blr.optim.BLROptimizer.step` without a closure takes ``p.grad``
+            as its gradient (Hugging Face Trainer, accelerate, Lightning, gradient
+            accumulation, ``GradScaler.step``); ``point_estimate()`` holds the point
+            estimate for a block.
     """
 
     seed: int | None
@@ -44,6 +52,7 @@ class EngineOptions(TypedDict, total=False):
     process_group: Any
     grad_scaler: torch.amp.GradScaler | None
     max_consecutive_skips: int | None
+    between_steps: str
 
 
 @dataclass
@@ -61,6 +70,11 @@ class EngineState:
         pending: parameters with accumulated samples (a set, ordered).
         deferred: the deferred sample of each param group, by its index.
         tensors: each param group's tensors, gathered once per step (by index).
+        marks: each trained parameter's gradient as the engine last saw it (a weak
+            reference and the version counter), to tell gradients made since.
+        resident: the training sample the parameters hold between steps
+            (``between_steps="sample"``).
+        resident_rng: the noise generators' state from before the resident sample's draw.
     """
 
     samples: int = 0
@@ -70,6 +84,13 @@ class EngineState:
     pending: dict[Tensor, None] = field(default_factory=dict)
     deferred: dict[int, Deferred] = field(default_factory=dict)
     tensors: dict[int, GroupTensors] = field(default_factory=dict)
+    marks: dict[Tensor, tuple[Callable[[], Tensor | None], int]] = field(default_factory=dict)
+    resident: Sample | None = None
+    resident_rng: dict[str, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""
+        return {**self.__dict__, "marks": {}}
 
     def end_step(self) -> None:
         """Forget the step's samples and tensors."""

@@ -36,7 +36,9 @@ class GroupStateOptimizer(Optimizer):
     """
 
     lie_group: LieGroup
-    point_estimate: str
+    mc_samples: int
+    point_convention: str
+    between_steps: str
     compile: bool
     noise_source: NoiseSource
     _engine: EngineState
@@ -61,7 +63,7 @@ class GroupStateOptimizer(Optimizer):
 
     def _point_mean(self, group: dict[str, Any]) -> float | None:
         """E[ξ] under ``point_estimate="mean"``, else ``None``."""
-        return float(group["base"].mean) if self.point_estimate == "mean" else None
+        return float(group["base"].mean) if self.point_convention == "mean" else None
 
     # ------------------------------------------------------------- the tensors
     def _group_of(self, group: dict[str, Any]) -> LieGroup:
@@ -108,6 +110,10 @@ class GroupStateOptimizer(Optimizer):
         elements = [self.state[p]["element"] for p in params]
         self._write_point(group, params, elements, self._point_mean(group))
 
+    def _between_steps(self) -> None:
+        """Write what the parameters hold between steps (here: the point estimates)."""
+        self.restore()
+
     @torch.no_grad()
     def restore(self) -> None:
         """Write the point estimate into every trained parameter."""
@@ -129,7 +135,7 @@ class GroupStateOptimizer(Optimizer):
             options,
             options.get("group", self.lie_group),
             antithetic=self.noise_source.antithetic,
-            point_estimate=self.point_estimate,
+            point_estimate=self.point_convention,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -214,8 +220,8 @@ class GroupStateOptimizer(Optimizer):
             group.pop("base", None)
             group.pop("group", None)
             group["rule"] = self._describe(live)
-        noise = self.noise_source.state_dict()
-        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
+        noise = self._engine.resident_rng or self.noise_source.state_dict()  # before the
+        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]  # parameters' sample, if any
         sd["skipped_steps"] = self._engine.skipped
         for hook in post_hooks.values():
             result = hook(self, sd)
@@ -274,7 +280,7 @@ class GroupStateOptimizer(Optimizer):
         self._scratch.clear()
         self.noise_source.end_step()
         self._upgrade(self.param_groups)
-        self.restore()
+        self._between_steps()  # the point estimate, or the saved sample drawn again
         for post_hook in post_hooks.values():
             post_hook(self)
 

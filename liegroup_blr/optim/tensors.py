@@ -4,13 +4,15 @@ a deferred sample, and a proposed update."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor
 
 from .kernel_utils import Rows
+from .scratch import Scratch
 
-__all__ = ["Deferred", "GroupTensors", "Proposal", "Sample", "SampleGrads"]
+__all__ = ["Deferred", "GroupTensors", "Proposal", "Sample", "SampleGrads", "all_finite"]
 
 SampleGrads = tuple[list[Tensor], list[Tensor]]
 """A deferred sample as an update reads it: its noise (as :attr:`Sample.noise`) and its
@@ -89,13 +91,41 @@ class Sample:
 
 @dataclass
 class Deferred:
-    """A sample of one param group whose accumulation waits for the next draw, accumulate or
-    update (:meth:`~liegroup_blr.optim.BLROptimizer.accumulate` with ``defer=True``)."""
+    """A sample of one param group whose gradients are read later: at the next draw,
+    accumulate or update (:meth:`~liegroup_blr.optim.BLROptimizer.accumulate` with
+    ``defer=True``), when the loss scale of a ``GradScaler.step`` is known.
+
+    Attributes:
+        tensors: the param group's tensors (of the parameters the sample has gradients for).
+        noise: the sample's noise (:attr:`Sample.noise`).
+        raw: the gradients as the backward pass left them (references).
+        decay: (δ/N)θ of the prior, from the sample's θ (``None`` when δ = 0).
+        first: whether the parameters had no sample of the step before this one.
+        versions: the gradients' version counters when deferred: an in-place change before
+            they are read is an error.
+    """
 
     tensors: GroupTensors
     noise: list[Tensor]
-    grads: list[Tensor]
-    versions: list[int]  # of the gradients: changed in place before they are read, an error
+    raw: list[Tensor]
+    decay: list[Tensor] | None
+    first: bool
+    versions: list[int] = field(default_factory=list)
+
+    def gradients(self, inv_scale: float, scratch: Scratch) -> list[Tensor]:
+        r""":math:`\nabla\bar\ell_\delta = s^{-1}\nabla\bar\ell + \frac{\delta}{N}\theta`, with
+        ``inv_scale`` = 1/s of a GradScaler's loss scale: in the decay buffers or the
+        ``scratch`` buffers ``"grad"``, the raw gradients read, never written (themselves
+        when there is nothing to add)."""
+        if self.decay is not None:
+            torch._foreach_add_(self.decay, self.raw, alpha=inv_scale)
+            return self.decay
+        if inv_scale == 1.0:
+            return self.raw
+        (out,) = scratch.take(self.tensors.params, grad=torch.Size)
+        torch._foreach_copy_(out, self.raw)
+        torch._foreach_mul_(out, inv_scale)
+        return out
 
 
 @dataclass
@@ -116,3 +146,16 @@ class Proposal:
     checked: list[Tensor]
     sums: list[Tensor] | None = None
     commit: Callable[[], None] | None = None
+
+
+def all_finite(tensors: list[Tensor], sums: list[Tensor] | None = None) -> bool:
+    """Whether every entry of every tensor is finite (one host sync, two when a sum is not).
+
+    A finite sum has finite terms; a sum that is not finite (an infinite or NaN entry, or an
+    overflow of finite ones) is settled by the extremes, exactly. ``sums``: the tensors'
+    sums, if a kernel made them in its pass."""
+    sums = [t.sum() for t in tensors] if sums is None else sums
+    if not sums or bool(torch.stack(sums).isfinite().all()):
+        return True
+    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
+    return bool(torch.stack(extremes).isfinite().all())

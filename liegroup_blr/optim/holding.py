@@ -1,0 +1,149 @@
+"""What the parameters hold between steps — the point estimate, or (``between_steps="sample"``)
+a fresh posterior sample — and the blocks that hold something else for a while."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .state import GroupStateOptimizer
+from .tensors import GroupTensors
+
+if TYPE_CHECKING:
+    from .tensors import Sample
+
+__all__ = ["SampleHolding"]
+
+
+class SampleHolding(GroupStateOptimizer):
+    """The part of :class:`~liegroup_blr.optim.BLROptimizer` that decides what the parameters
+    hold: :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`,
+    :meth:`~liegroup_blr.optim.BLROptimizer.point_estimate`, and the training sample that
+    ``between_steps="sample"`` keeps in them between steps."""
+
+    if TYPE_CHECKING:  # the sampling engine's, in BLROptimizer
+
+        def draw(self, train: bool = True) -> Sample: ...
+        def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
+        def _fresh_gradients(self) -> list[Tensor]: ...
+        def discard(self) -> None: ...
+
+    def _between_steps(self) -> None:
+        """Write what the parameters hold between steps: the point estimates, or
+        (between_steps="sample") a fresh sample."""
+        if self.between_steps == "sample":
+            self._draw_resident()
+        else:
+            self.restore()
+
+    def _draw_resident(self) -> None:
+        """Draw the sample the parameters hold until the next step, keeping the noise
+        generators' state from before it, so a state dict redraws it bit for bit."""
+        engine = self._engine
+        engine.resident_rng = self.noise_source.state_dict()
+        engine.resident = self.draw(train=True)
+        engine.tensors.clear()  # parameters may be frozen before the step
+
+    @contextmanager
+    def sampled_params(self, train: bool = False) -> Iterator[None]:
+        """Hold one posterior sample θ = readout(g·ξ) in the parameters for the block.
+
+        With ``train=True`` the gradients the block leaves in ``p.grad`` are one Monte-Carlo
+        sample of the next :meth:`step` (call ``zero_grad`` inside each block; the optimizer
+        reads them at the next draw or update, so they must not be changed in place before).
+        On exit, also on error, the parameters return to what they held before the block:
+        the point estimate, or with ``between_steps="sample"`` the training sample (and
+        ``train=True`` is refused there: the parameters already hold a training sample).
+        """
+        engine = self._engine
+        if engine.sampling:
+            raise RuntimeError("sampled_params blocks cannot be nested")
+        if train and self.between_steps == "sample":
+            raise RuntimeError(
+                "sampled_params(train=True) with between_steps='sample': the parameters "
+                "already hold a training sample; run forward and backward, then step()"
+            )
+        engine.sampling = True
+        try:
+            with self._holding_resident():
+                sample = self.draw(train)
+                yield
+                if train:
+                    self.accumulate(sample, defer=True)
+        finally:
+            engine.sampling = False
+            if not engine.samples:
+                engine.tensors.clear()  # parameters may be frozen before the next step
+            if self.between_steps == "point":
+                self.restore()
+
+    @contextmanager
+    def point_estimate(self) -> Iterator[None]:
+        """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in
+        the parameters for the block, whatever they hold between steps; on exit they hold
+        what they held before (with ``between_steps="sample"``, the training sample)."""
+        with self._holding_resident():
+            self.restore()
+            yield
+
+    @contextmanager
+    def _holding_resident(self) -> Iterator[None]:
+        """Keep the parameters' training sample (between_steps="sample") through a block
+        that writes the parameters and the noise buffers, and put it back on exit."""
+        resident = self._engine.resident
+        if resident is None:
+            yield
+            return
+        kept = [t.clone() for t in resident.params], [n.clone() for n in resident.noise]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(resident.params, kept[0])
+                torch._foreach_copy_(resident.noise, kept[1])
+
+    def _end_step(self) -> None:
+        """Forget the step's samples: the next training sample starts a new step."""
+        self._engine.end_step()
+        self.noise_source.end_step()
+
+    def _restore_unmoved(self, drawn: dict[int, GroupTensors], moved: list[GroupTensors]) -> None:
+        """Write the point estimate into drawn parameters the step did not move."""
+        done = {p for t in moved for p in t.params}
+        for index, t in drawn.items():
+            keep = [p not in done for p in t.params]
+            if any(keep):
+                rest = t.subset(keep)
+                group = self.param_groups[index]
+                self._write_point(group, rest.params, rest.elements, rest.mean)
+
+    def _read_resident(self) -> None:
+        """The parameters' sample (between_steps="sample") with ``p.grad`` as its gradient."""
+        if self.mc_samples > 1:
+            raise RuntimeError(
+                f"step() without a closure takes one sample, the parameters' own, in "
+                f"between_steps='sample'; mc_samples={self.mc_samples} needs step(closure)"
+            )
+        self.accumulate(self._engine.resident, defer=True)  # type: ignore[arg-type]
+
+    def _refuse_outside_gradients(self) -> None:
+        """Gradients were made outside ``step(closure)`` since the last update: at the point
+        estimate, or, with several samples, only at the first."""
+        if self.between_steps == "sample" and self.mc_samples == 1:
+            return  # the parameters' sample: the closure adds to it or starts it afresh
+        where = "at the point estimate" if self.between_steps == "point" else "at one sample"
+        fix = (
+            "construct the optimizer with between_steps='sample' and mc_samples=1"
+            if self.between_steps == "point"
+            else "set mc_samples=1"
+        )
+        self.discard()
+        raise RuntimeError(
+            f"step(closure) found gradients computed outside step() since the last update "
+            f"({where}, e.g. gradient accumulation over micro-batches, Lightning's "
+            f"accumulate_grad_batches): they would be mixed into the samples; {fix}"
+        )
