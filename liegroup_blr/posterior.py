@@ -168,7 +168,9 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         Raises:
             ValueError: ``model`` lacks one of the optimizer's parameters.
         """
-        from .optim import AdditiveBLR, AffineBLR, MultiplicativeBLR  # late: optim may import us
+        from .optim import AdditiveBLR, AffineBLR, MultiplicativeBLR, unwrap  # late: cycles
+
+        optimizer = unwrap(optimizer) or optimizer
 
         names = None if model is None else {id(p): n for n, p in model.named_parameters()}
         entries: dict[str | int, PosteriorEntry] = {}

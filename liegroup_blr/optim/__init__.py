@@ -7,6 +7,7 @@ from .generic import LieGroupBLR
 from .multiplicative import MultiplicativeBLR
 from .options import EngineOptions
 from .tensors import Sample
+from .wrappers import unwrap
 
 __all__ = [
     "AdditiveBLR",
@@ -16,4 +17,5 @@ __all__ = [
     "LieGroupBLR",
     "MultiplicativeBLR",
     "Sample",
+    "unwrap",
 ]

@@ -47,7 +47,7 @@ __all__ = [
     "multiplicative_update",
 ]
 
-INITS = ("reference", "keep")
+INITS = ("auto", "reference", "keep")
 
 
 class MultiplicativeBLR(BLROptimizer):
@@ -70,9 +70,13 @@ class MultiplicativeBLR(BLROptimizer):
     :math:`w^-` an independent-looking second draw of the same initialisation, made by a
     random permutation of its entries — this rewrites the weights. ``init="keep"`` keeps
     them (pretrained weights): :math:`g^\pm = \max(\pm\theta, 0) + \text{offset}`, so
-    :math:`g^+ - g^- = \theta`. The parameters hold :math:`g^+ - g^-` outside
-    :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` (``point_estimate="mean"``:
-    :math:`E[\xi](g^+ - g^-)`).
+    :math:`g^+ - g^- = \theta`. ``init="auto"`` (default) is ``"reference"``, except for a
+    tensor whose entries are all equal (a norm layer's weights, a constant bias): a
+    permutation of it is itself, so ``"reference"`` would give :math:`g^+ = g^-` and θ = 0;
+    such a tensor is kept (on tensors that are not constant, and on constant ones equal to 0,
+    ``"auto"`` and ``"reference"`` give the same elements). The parameters hold
+    :math:`g^+ - g^-` outside :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`
+    (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
 
     Args:
         params: parameters or param groups.
@@ -85,7 +89,7 @@ class MultiplicativeBLR(BLROptimizer):
         mc_samples: S ≥ 1.
         init_offset: offset > 0 added to :math:`|w^\pm|` at initialisation.
         signed: excitatory/inhibitory parts (default) or a single positive part.
-        init: ``"reference"`` or ``"keep"`` (see above).
+        init: ``"auto"``, ``"reference"`` or ``"keep"`` (see above).
         point_estimate: ``"g"`` or ``"mean"``.
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
@@ -105,7 +109,7 @@ class MultiplicativeBLR(BLROptimizer):
         init_offset: float = 1e-5,
         *,
         signed: bool = True,
-        init: str = "reference",
+        init: str = "auto",
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
@@ -139,14 +143,17 @@ class MultiplicativeBLR(BLROptimizer):
     def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         w = p.detach().to(state_dtype(p), copy=True)
         offset = group["init_offset"]
-        if self.init == "keep":
-            g = self.lie_group.from_point(w, offset) if self.signed else w.abs() + offset
+        flat = w.flatten()
+        keep = self.init == "keep" or (self.init == "auto" and bool((flat == flat[:1]).all()))
+        if self.signed and self.init != "keep":  # "auto" draws it too: the same stream
+            if self._permutations is None:
+                self._permutations = torch.Generator().manual_seed(self.seed + 1)
+            perm = torch.randperm(w.numel(), generator=self._permutations).to(w.device)
+            if not keep:
+                w = torch.stack((w, flat[perm].view_as(w)))
+        if keep and self.signed:
+            g = self.lie_group.from_point(w, offset)
         else:
-            if self.signed:
-                if self._permutations is None:
-                    self._permutations = torch.Generator().manual_seed(self.seed + 1)
-                perm = torch.randperm(w.numel(), generator=self._permutations).to(w.device)
-                w = torch.stack((w, w.flatten()[perm].view_as(w)))
             g = w.abs() + offset
         return {"element": g, "momentum": torch.zeros_like(g)}
 
