@@ -244,14 +244,6 @@ class BLROptimizer(SampleHolding):
             engine.pending.update(dict.fromkeys(p for p, h in zip(t.params, has, strict=True) if h))
         engine.samples += 1
 
-    def _accumulate_deferred(self) -> None:
-        """Accumulate the deferred samples now."""
-        for index, group in enumerate(self.param_groups):
-            deferred = self._take_deferred(index)
-            if deferred is not None:
-                grads = deferred.gradients(inverse_scale(self), self._scratch)
-                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
-
     def _take_deferred(self, index: int) -> Deferred | None:
         """Param group ``index``'s deferred sample, removed from the pending step; checked."""
         deferred = self._engine.deferred.pop(index, None)
@@ -348,12 +340,15 @@ class BLROptimizer(SampleHolding):
         losses = []
         try:
             for s in range(self.mc_samples):
+                rng = self.noise_source.state_dict() if engine.samples else None
                 sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
                 with torch.enable_grad():
                     value = closure()
-                if self._fresh_gradients():  # a closure that made none takes no sample
+                if self._fresh_gradients():
                     self._accumulate_sample(sample, None, defer=True)
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
+                elif rng is not None:  # a closure that made no gradient takes no sample (a
+                    self.noise_source.load_state_dict(rng)  # do-nothing one after blocks)
         except BaseException:
             self.discard()
             raise
@@ -424,7 +419,10 @@ class BLROptimizer(SampleHolding):
         engine.skipped += 1
         engine.consecutive += 1
         row = engine.consecutive
-        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+        calibrating = "found_inf" in vars(self) or (  # a GradScaler's business
+            self.grad_scaler is not None and self.grad_scaler.is_enabled()
+        )
+        if not calibrating:
             warnings.warn(
                 f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
                 f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",

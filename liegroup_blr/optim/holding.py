@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from .amp import inverse_scale
 from .state import GroupStateOptimizer
 from .tensors import GroupTensors
 
 if TYPE_CHECKING:
-    from .tensors import Sample
+    from .tensors import Deferred, Sample
 
 __all__ = ["SampleHolding"]
 
@@ -31,6 +32,15 @@ class SampleHolding(GroupStateOptimizer):
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
         def discard(self) -> None: ...
+        def _take_deferred(self, index: int) -> Deferred | None: ...
+        def _accumulate(
+            self,
+            group: dict[str, Any],
+            t: GroupTensors,
+            noise: list[Tensor],
+            grads: list[Tensor],
+            first: bool,
+        ) -> None: ...
 
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps: the point estimates, or
@@ -39,6 +49,13 @@ class SampleHolding(GroupStateOptimizer):
             self._draw_resident()
         else:
             self.restore()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As :meth:`GroupStateOptimizer.add_param_group`; with ``between_steps="sample"`` every
+        trained parameter then holds a fresh sample (the new ones included)."""
+        super().add_param_group(param_group)
+        if self._engine.resident is not None:
+            self._draw_resident()
 
     def _draw_resident(self) -> None:
         """Draw the sample the parameters hold until the next step, keeping the noise
@@ -84,11 +101,17 @@ class SampleHolding(GroupStateOptimizer):
     @contextmanager
     def point_estimate(self) -> Iterator[None]:
         """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in
-        the parameters for the block, whatever they hold between steps; on exit they hold
-        what they held before (with ``between_steps="sample"``, the training sample)."""
-        with self._holding_resident():
-            self.restore()
+        every parameter the optimizer has trained (frozen ones too) for the block, whatever
+        they hold between steps; on exit they hold what they held before (with
+        ``between_steps="sample"``, the training sample)."""
+        params = [p for group in self.param_groups for p in group["params"] if p in self.state]
+        kept = [p.detach().clone() for p in params]
+        try:
+            self.restore(frozen=True)
             yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, kept)
 
     @contextmanager
     def _holding_resident(self) -> Iterator[None]:
@@ -147,3 +170,11 @@ class SampleHolding(GroupStateOptimizer):
             f"({where}, e.g. gradient accumulation over micro-batches, Lightning's "
             f"accumulate_grad_batches): they would be mixed into the samples; {fix}"
         )
+
+    def _accumulate_deferred(self) -> None:
+        """Accumulate the deferred samples now."""
+        for index, group in enumerate(self.param_groups):
+            deferred = self._take_deferred(index)
+            if deferred is not None:
+                grads = deferred.gradients(inverse_scale(self), self._scratch)
+                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)

@@ -40,6 +40,7 @@ class GroupStateOptimizer(Optimizer):
     point_convention: str
     between_steps: str
     compile: bool
+    grad_scaler: torch.amp.GradScaler | None
     noise_source: NoiseSource
     _engine: EngineState
     _scratch: Scratch
@@ -115,10 +116,11 @@ class GroupStateOptimizer(Optimizer):
         self.restore()
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Write the point estimate into every trained parameter."""
+    def restore(self, frozen: bool = False) -> None:
+        """Write the point estimate into every trained parameter (``frozen``: also into those
+        frozen since they were trained)."""
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.requires_grad and p in self.state]
+            params = [p for p in group["params"] if (frozen or p.requires_grad) and p in self.state]
             if params:
                 elements = [self.state[p]["element"] for p in params]
                 self._write_point(group, params, elements, self._point_mean(group))
