@@ -12,11 +12,13 @@ from . import distributions, fisher, groups, mc, noise, optim
 from .mc import mc_step
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
+from .sensitivity import MemoryMap, memory_map, sensitivity
 
 __all__ = [
     "AdditiveBLR",
     "AffineBLR",
     "LieGroupBLR",
+    "MemoryMap",
     "MultiplicativeBLR",
     "Posterior",
     "distributions",
@@ -24,7 +26,9 @@ __all__ = [
     "groups",
     "mc",
     "mc_step",
+    "memory_map",
     "noise",
     "optim",
+    "sensitivity",
 ]
 __version__ = "0.1.0"
