@@ -220,7 +220,12 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Pa
     for ax, (title, p) in zip(axes[0], panels.items(), strict=True):
         top = p["top"]
         ax.scatter(
-            p["floor"], p["estimate"], s=12, marker="x", color="0.6", label="retraining noise"
+            p["floor"],
+            p["estimate"],
+            s=12,
+            marker="x",
+            color="0.6",
+            label="nothing removed, other permutations",
         )
         ax.scatter(p["truth"][~top], p["estimate"][~top], s=18, label="random examples")
         ax.scatter(p["truth"][top], p["estimate"][top], s=18, label="highest-scored")

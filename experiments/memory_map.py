@@ -49,7 +49,7 @@ from tqdm import tqdm
 import liegroup_blr as lgb
 from experiments import cli, compare, figures, runfiles
 from experiments import config as config_module
-from experiments.data import load_dataset
+from experiments.data import Dataset, load_dataset
 from experiments.distributed import Processes
 from experiments.train import (
     CHECKPOINT,
@@ -113,8 +113,9 @@ def resolve(
         raise config_module.ConfigError(f"[memory] must be a table, got {given!r}")
     memory = config_module._fill("[memory]", given, MEMORY)
     for key in ("samples", "batch_size", "top", "random", "flagged"):
-        if memory[key] < (2 if key == "samples" else 1):
-            raise config_module.ConfigError(f"[memory].{key} must be >= 1, got {memory[key]}")
+        least = 2 if key == "samples" else 1
+        if memory[key] < least:
+            raise config_module.ConfigError(f"[memory].{key} must be >= {least}, got {memory[key]}")
     epochs = memory["retrain_epochs"]
     if not epochs or any(b <= a for a, b in zip([0, *epochs], epochs, strict=False)):
         raise config_module.ConfigError(
@@ -181,14 +182,20 @@ def trained(cfg: dict[str, Any], folder: Path, flips: dict[int, int] | None = No
     return run
 
 
-def _check_batches(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
-    """Leaving one of N examples out must not take a batch away: N mod batch size ≠ 1."""
+def _check_data(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """What only the data can tell: no augmentation by the dataset's default, and leaving
+    one of N examples out does not take a batch away (N mod batch size ≠ 1)."""
     for by_seed in configs.values():
         for cfg in by_seed.values():
             dcfg = cfg["data"]
             options = {k: v for k, v in dcfg.items() if k not in config_module.SECTIONS["data"]}
-            size = len(load_dataset(dcfg["name"], dcfg["root"], **options).train_y)
-            batch = dcfg["batch_size"]
+            data = load_dataset(dcfg["name"], dcfg["root"], **options)
+            if dcfg["augment"] is None and data.augment:
+                raise config_module.ConfigError(
+                    f"[data].augment: {dcfg['name']} is augmented by default; set it to false "
+                    "(leaving one example out needs the training set as it is)"
+                )
+            size, batch = len(data.train_y), dcfg["batch_size"]
             if size % batch == 1:
                 raise config_module.ConfigError(
                     f"[data].batch_size {batch}: N − 1 = {size - 1} examples would make one "
@@ -196,7 +203,7 @@ def _check_batches(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
                 )
 
 
-def test_metrics(run: Run, samples: int) -> dict[str, Any]:
+def metrics_on_test(run: Run, samples: int) -> dict[str, Any]:
     """Test metrics at the point estimate and of the model average of ``samples``."""
     data = run.data
     x = data.normalize(data.to_unit(data.test_x)).to(run.device)
@@ -238,6 +245,7 @@ def scores(run: Run, memory: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def _cached(path: Path, compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The dict saved at ``path``, else ``compute()`` saved there (atomically)."""
     if path.exists():
         return runfiles.load_torch(path)
     value = compute()
@@ -257,9 +265,12 @@ def chosen(score: Tensor, top: int, random: int, seed: int) -> tuple[list[int], 
 class Retrainer:
     """Warm-started retraining from a trained run's state with the same noise.
 
-    Epoch e of a retraining shuffles the N examples with a generator seeded ``base_seed + e``
-    (``permutation`` shifts the seed), drops the removed example from that order and cuts
-    batches of the run's batch size from it, keeping the last partial batch.
+    Epoch e of a retraining shuffles the N examples with a generator seeded
+    ``seed + 7919·permutation + e``, drops the removed example from that order and cuts
+    batches of the run's batch size from it, keeping the last partial batch. The rows it
+    gives hold, per example, ``"average"``: the softmax of the mean logits over ``samples``
+    posterior samples (drawn from one fixed seed, so the same ξ before and after), and
+    ``"point"``: the softmax at the point estimate.
     """
 
     def __init__(self, run: Run, memory: dict[str, Any], seed: int) -> None:
@@ -376,9 +387,13 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return pearson(_ranks(a), _ranks(b))
 
 
-def changes(rows: list[dict[str, Any]], epoch: str, which: str = "average") -> dict[str, Any]:
-    """Per retrained example (in the order of the control's examples): the true change
-    ‖p_removed − p_control‖₁ and the retraining noise ‖p_permuted − p_control‖₁."""
+def changes(
+    rows: list[dict[str, Any]], labels: Tensor, epoch: str, which: str = "average"
+) -> dict[str, Any]:
+    """Per retrained example (in the order of the control's examples), against the control
+    after ``epoch`` epochs: the true change ‖p_removed − p_control‖₁ and the change of the
+    probability of the example's own label (``label``), and the same for the retraining on
+    other permutations with nothing removed (``floor``, ``label_floor``)."""
     by_kind = {r["kind"]: r for r in rows if r["kind"] != "removed"}
     control = np.array(by_kind["control"]["epochs"][epoch][which])
     permuted = np.array(by_kind["permuted"]["epochs"][epoch][which])
@@ -386,8 +401,17 @@ def changes(rows: list[dict[str, Any]], epoch: str, which: str = "average") -> d
         r["index"]: np.array(r["epochs"][epoch][which][0]) for r in rows if r["index"] is not None
     }
     examples = by_kind["control"]["examples"]
-    truth = np.array([np.abs(removed[i] - control[k]).sum() for k, i in enumerate(examples)])
-    return {"examples": examples, "truth": truth, "floor": np.abs(permuted - control).sum(1)}
+    mine = labels[examples].numpy()
+    moved = np.stack([removed[i] for i in examples]) - control
+    noise = permuted - control
+    at = np.arange(len(examples))
+    return {
+        "examples": examples,
+        "truth": np.abs(moved).sum(1),
+        "floor": np.abs(noise).sum(1),
+        "label": moved[at, mine],
+        "label_floor": noise[at, mine],
+    }
 
 
 def agreement(estimate: np.ndarray, truth: np.ndarray) -> dict[str, float | None]:
@@ -404,32 +428,45 @@ def agreement(estimate: np.ndarray, truth: np.ndarray) -> dict[str, float | None
         if positive.any()
         else math.nan,
     }
-    return {k: v if math.isfinite(v) else None for k, v in values.items()}
+    return {k: _defined(v) for k, v in values.items()}
 
 
 def summarise_retraining(
     score: dict[str, Any], rows: list[dict[str, Any]], top: list[int], memory: dict[str, Any]
 ) -> dict[str, Any]:
-    """Agreement of every variant's scores with the true changes after each retraining
-    length, over all retrained examples and over the random ones; the noise of retraining."""
+    """After each retraining length: the agreement of every ranking's scores with the true
+    changes, over all retrained examples and over the random ones; its Spearman correlation
+    with the drop of the own label's probability, and with the retraining noise (nothing
+    removed, other permutations: a score that only marks examples that move under any
+    perturbation correlates with it as well); how often the own label's probability drops,
+    with the example removed and with nothing removed."""
     out: dict[str, Any] = {}
     for epoch in (str(e) for e in memory["retrain_epochs"]):
-        c = changes(rows, epoch)
+        c = changes(rows, score["labels"], epoch)
         examples = np.array(c["examples"])
         random = ~np.isin(examples, top)
         entry: dict[str, Any] = {
             "truth_median": float(np.median(c["truth"])),
             "floor_median": float(np.median(c["floor"])),
             "above_floor": float((c["truth"] > c["floor"]).mean()),
+            "label_drops": float((c["label"] < 0).mean()),
+            "label_drops_floor": float((c["label_floor"] < 0).mean()),
         }
         for name in RANKINGS:
             est = score[name][examples].double().numpy()
             entry[name] = {
                 "all": agreement(est, c["truth"]),
                 "random": agreement(est[random], c["truth"][random]),
+                "label": _defined(spearman(est, -c["label"])),
+                "label_floor": _defined(spearman(est, -c["label_floor"])),
+                "floor": _defined(spearman(est, c["floor"])),
             }
         out[epoch] = entry
     return out
+
+
+def _defined(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def summarise_flips(
@@ -459,26 +496,20 @@ def validate(
     """Train, map, retrain and flip for one run config; writes ``folder``, returns the summary."""
     seed = cfg["seed"]
     run = trained(cfg, folder / "train")
-    test = test_metrics(run, memory["samples"])
+    test = metrics_on_test(run, memory["samples"])
     score = _cached(folder / SCORES, lambda: scores(run, memory, seed))
     primary = score[score["auto"]]
     top, random = chosen(primary, memory["top"], memory["random"], seed)
     rows = retrain_all(Retrainer(run, memory, seed), top + random, folder / RETRAIN, desc)
-    title = f"{desc}: {score['auto']} scores"
-    figures.memory_map(run.data.train_x, score["labels"], primary, folder / "memory_map.png", title)
-    last = str(memory["retrain_epochs"][-1])
-    c = changes(rows, last)
-    is_top = np.isin(np.array(c["examples"]), top)
-    panels = {
-        f"{name} ({last} epochs)": {
-            "truth": c["truth"],
-            "floor": c["floor"],
-            "estimate": score[name][c["examples"]].double().numpy(),
-            "top": is_top,
-        }
-        for name in ("jacobian", "samples")
-    }
-    figures.sensitivity_scatter(panels, folder / "scatter.png")
+    title = f"{cfg['data']['name']}, {desc}"
+    figures.memory_map(
+        run.data.train_x,
+        score["labels"],
+        primary,
+        folder / "memory_map.png",
+        f"{title}: {score['auto']} scores",
+    )
+    _scatter(score, rows, top, str(memory["retrain_epochs"][-1]), folder / "scatter.png")
     summary = {
         "method": score["auto"],
         "test": test,
@@ -487,23 +518,50 @@ def validate(
         "retraining": summarise_retraining(score, rows, top, memory),
     }
     if memory["flip"]:
-        labels = run.data.train_y
-        flips = flipped_labels(labels, memory["flip"], run.data.num_classes, seed)
-        originals = {i: int(labels[i]) for i in flips}
-        flip_run = trained(cfg, folder / "flip", flips)
-        flip_score = _cached(folder / FLIP_SCORES, lambda: scores(flip_run, memory, seed))
-        figures.memory_map(
-            flip_run.data.train_x,
-            flip_score["labels"],
-            flip_score[flip_score["auto"]],
-            folder / "flip_memory_map.png",
-            f"{desc}: {memory['flip']} labels flipped (red: flipped, 'was' the true label)",
-            marked=originals,
-        )
-        summary["flips"] = summarise_flips(flip_score, flips, memory)
-        summary["flip_test"] = test_metrics(flip_run, memory["samples"])
+        summary.update(_flipped(cfg, memory, folder, run.data, title))
     runfiles.write_json(folder / SUMMARY, summary)
     return summary
+
+
+def _scatter(
+    score: dict[str, Any], rows: list[dict[str, Any]], top: list[int], epoch: str, path: Path
+) -> None:
+    """Estimated against true changes after ``epoch`` epochs, both forms of the variance."""
+    c = changes(rows, score["labels"], epoch)
+    is_top = np.isin(np.array(c["examples"]), top)
+    panels = {
+        f"{name} ({epoch} epochs)": {
+            "truth": c["truth"],
+            "floor": c["floor"],
+            "estimate": score[name][c["examples"]].double().numpy(),
+            "top": is_top,
+        }
+        for name in ("jacobian", "samples")
+    }
+    figures.sensitivity_scatter(panels, path)
+
+
+def _flipped(
+    cfg: dict[str, Any], memory: dict[str, Any], folder: Path, data: Dataset, title: str
+) -> dict[str, Any]:
+    """The run trained again with ``flip`` labels changed: its map, figure and test metrics,
+    and how many flipped labels each ranking finds."""
+    seed, labels = cfg["seed"], data.train_y
+    flips = flipped_labels(labels, memory["flip"], data.num_classes, seed)
+    run = trained(cfg, folder / "flip", flips)
+    score = _cached(folder / FLIP_SCORES, lambda: scores(run, memory, seed))
+    figures.memory_map(
+        run.data.train_x,
+        score["labels"],
+        score[score["auto"]],
+        folder / "flip_memory_map.png",
+        f"{title}: {memory['flip']} labels flipped (red: flipped, 'was' the true label)",
+        marked={i: int(labels[i]) for i in flips},
+    )
+    return {
+        "flips": summarise_flips(score, flips, memory),
+        "flip_test": metrics_on_test(run, memory["samples"]),
+    }
 
 
 # ------------------------------------------------------------------ command
@@ -521,7 +579,7 @@ def memory_maps(
     }
     with runfiles.locked(out):
         compare._check_folder(out, written, resume)
-        _check_batches(configs)
+        _check_data(configs)
         runfiles.remove_leftovers(out)
         runfiles.write_json(out / "config.json", written)
         results: dict[str, Any] = {}
@@ -576,19 +634,37 @@ def report(results: dict[str, Any], memory: dict[str, Any]) -> str:
             f"samples; {memory['top']} highest-scored and {memory['random']} random examples "
             f"retrained at {memory['retrain_lr']}× the initial step size.",
             "",
-            "| retraining epochs | scores | Spearman (all) | Pearson (all) | Pearson of logs | "
-            "Spearman (random) | median estimate / truth | truth above permutation noise |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|",
+            "Spearman and Pearson correlations of the scores with the true change "
+            "‖p_removed − p_control‖₁ over all retrained examples (all) and the random ones; "
+            "Spearman with the drop of the example's own label probability (label drop), and "
+            "with the same two changes from retraining on other permutations with nothing "
+            "removed (noise, label noise): a score that only marks examples that move under "
+            "any perturbation correlates with these as well.",
+            "",
+            "| epochs | scores | Spearman (all) | Spearman (random) | Pearson (all) | "
+            "Pearson of logs | Spearman, label drop | Spearman, noise | Spearman, label noise | "
+            "median estimate / truth |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for epoch, entry in s["retraining"].items():
             for name in RANKINGS:
                 a, r = entry[name]["all"], entry[name]["random"]
                 ratio = "—" if name.endswith(".logits") else _mean_sd(a["median_ratio"], 3)
                 lines.append(
-                    f"| {epoch} | {name} | {_mean_sd(a['spearman'])} | {_mean_sd(a['pearson'])} | "
-                    f"{_mean_sd(a['pearson_log'])} | {_mean_sd(r['spearman'])} | "
-                    f"{ratio} | {_mean_sd(entry['above_floor'])} |"
+                    f"| {epoch} | {name} | {_mean_sd(a['spearman'])} | "
+                    f"{_mean_sd(r['spearman'])} | {_mean_sd(a['pearson'])} | "
+                    f"{_mean_sd(a['pearson_log'])} | {_mean_sd(entry[name]['label'])} | "
+                    f"{_mean_sd(entry[name]['floor'])} | {_mean_sd(entry[name]['label_floor'])} | "
+                    f"{ratio} |"
                 )
+        lines.append("")
+        for epoch, entry in s["retraining"].items():
+            lines.append(
+                f"- after {epoch} epochs the own label's probability drops for "
+                f"{_mean_sd(entry['label_drops'])} of the removed examples "
+                f"({_mean_sd(entry['label_drops_floor'])} with nothing removed); the true change "
+                f"exceeds the permutation noise for {_mean_sd(entry['above_floor'])}."
+            )
         if "flips" in s:
             f = s["flips"]
             found = ", ".join(f"{k}: {_mean_sd(v, 1)}" for k, v in f["found"].items())

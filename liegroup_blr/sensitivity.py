@@ -14,17 +14,9 @@ and :math:`\lambda_i = p_i - p_i^2`:
 
 .. math:: s_i = \sum_k |e_{ik}\, \lambda_{ik}\, v_{ik}| .
 
-Two estimates of :math:`v_i` (``method``):
-
-* ``"jacobian"``: :math:`v_{ik} = \sum_p J_{ikp}^2 \Sigma_{pp}` at the posterior mean, for the
-  groups that give a diagonal covariance: additive :math:`\Sigma = \operatorname{Var}\xi`,
-  diagonal affine :math:`\Sigma = A^2 \operatorname{Var}\xi`, multiplicative
-  :math:`\Sigma = (g^{+2} + g^{-2}) \operatorname{Var}\xi`;
-* ``"samples"``: the sample variance of the logits over posterior samples
-  :math:`\theta = g\cdot\xi`, for any group (no linearisation).
-
-A rule trained at temperature :math:`\tau` learns about :math:`\tau` times the posterior
-covariance; the equation needs the untempered one, so :math:`V_i` is divided by
+The prediction variance :math:`v_i` comes from the Jacobian form or from posterior samples
+(:data:`METHODS`). A rule trained at temperature :math:`\tau` learns about :math:`\tau` times
+the posterior covariance; the equation needs the untempered one, so :math:`V_i` is divided by
 :math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why.
 """
 
@@ -340,17 +332,14 @@ def _moments(
 ) -> Iterator[tuple[slice, Tensor, Tensor]]:
     """Per batch of ``batch_size`` inputs: its rows, the mean logits ``[B, K]`` and their
     (co)variance under the posterior (tempered: not yet divided by τ)."""
-    names = _parameter_names(post, model)
     device = next(iter(post.values())).element.device
     if method == "jacobian":
-        mean = Posterior(
-            dict(post.items()),
-            point_estimate="mean",
-            fused=post.fused,
-            missing=post.missing,
-            size=post.size,
-        ).point_estimates()
-        params = {names[k]: mean[k] for k in post}
+        at_mean = Posterior(post, point_estimate="mean", fused=post.fused, size=post.size)
+        with at_mean.at_point_estimate(model):  # ValueError if names or shapes differ
+            named = dict(model.named_parameters())
+            order = list(named)
+            names = {k: order[k] if isinstance(k, int) else k for k in post}
+            params = {names[k]: named[names[k]].detach().clone() for k in post}
         variances = {names[k]: _coordinate_variance(e) for k, e in post.items()}
         batch = _jacobian_batch(model, params, variances, cross_class)
     else:
@@ -361,30 +350,6 @@ def _moments(
     for start in range(0, len(inputs), batch_size):
         rows = slice(start, start + batch_size)
         yield rows, *batch(inputs[rows].to(device))
-
-
-def _parameter_names(post: Posterior, model: nn.Module) -> dict[str | int, str]:
-    """The name in ``model`` of each entry's parameter; ValueError if one is absent or of
-    another shape."""
-    named = list(model.named_parameters())
-    if post.by_position and len(named) != post.size:
-        raise ValueError(
-            f"model: has {len(named)} parameters, the posterior was taken by position over "
-            f"{post.size}; use the same architecture, or take it with model=..."
-        )
-    shapes = dict((n, p.shape) for n, p in named)
-    out = {}
-    for key, entry in post.items():
-        name = named[key][0] if isinstance(key, int) else key
-        if name not in shapes:
-            raise ValueError(f"model: has no parameter {key!r}, which the posterior holds")
-        if shapes[name] != entry.shape:
-            raise ValueError(
-                f"model: parameter {key!r} has shape {tuple(shapes[name])}, the posterior's "
-                f"{tuple(entry.shape)}"
-            )
-        out[key] = name
-    return out
 
 
 def _coordinate_variance(entry: PosteriorEntry) -> Tensor:
@@ -410,14 +375,9 @@ def _jacobian_batch(
         out = vjp(lambda p: functional_call(model, p, (x[None],)).reshape(-1), params)
         f, pullback = out[0], out[1]
         basis = torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
-        if not cross_class:
-            rows = []
-            for k in range(f.shape[0]):
-                (grads,) = pullback(basis[k])
-                rows.append(
-                    torch.stack([(g.square() * variances[n]).sum() for n, g in grads.items()]).sum()
-                )
-            return f, torch.stack(rows)
+        if not cross_class:  # one output at a time: one gradient per example in memory
+            v = [_weighted_square(pullback(basis[k])[0], variances) for k in range(len(f))]
+            return f, torch.stack(v)
         (grads,) = vmap(pullback)(basis)  # name → [K, *shape]
         V = [
             torch.einsum("kp,p,lp->kl", g.flatten(1), variances[n].flatten(), g.flatten(1))
@@ -426,6 +386,11 @@ def _jacobian_batch(
         return f, torch.stack(V).sum(0)
 
     return vmap(one)
+
+
+def _weighted_square(grads: dict[str, Tensor], variances: dict[str, Tensor]) -> Tensor:
+    """:math:`\\sum_p J_p^2 \\Sigma_{pp}` of one output's gradient ``grads``."""
+    return torch.stack([(g.square() * variances[n]).sum() for n, g in grads.items()]).sum()
 
 
 def _samples_batch(
@@ -461,26 +426,23 @@ def _score(
     f: Tensor, V: Tensor, y: Tensor, likelihood: str, noise_variance: float, change: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""(scores, residuals, predictions) of a batch from the mean logits ``f`` and the
-    untempered (co)variance ``V``: :math:`\sum_k|e_k\lambda_k v_k|` or
-    :math:`\|\Lambda V e\|_1` (categorical probabilities), :math:`\sum_k|v_k e_k|` or
-    :math:`\|Ve\|_1` (logits, or a Gaussian likelihood's mean)."""
-    full = V.ndim == 3
+    untempered (co)variance ``V``: the L1 norm of the logits' change :math:`V e` (diagonal:
+    :math:`v \odot e`), or of the probabilities' :math:`\Lambda V e` (diagonal:
+    :math:`\lambda \odot v \odot e`, λ = p − p²)."""
     if likelihood == "gaussian":
-        target = y.reshape(f.shape).to(f.dtype)
-        e = (f - target) / noise_variance
-        shift = (V @ e[..., None])[..., 0] if full else V * e
-        return shift.abs().sum(-1), e, f
-    K = f.shape[-1]
-    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= K):
-        raise ValueError(f"targets: labels must lie in [0, {K}) for a model with {K} outputs")
-    p = torch.softmax(f, dim=-1)
-    e = p - nn.functional.one_hot(y.long(), K).to(p.dtype)
-    if change == "logits":
-        shift = (V @ e[..., None])[..., 0] if full else V * e
-        return shift.abs().sum(-1), e, p
-    if full:
-        Lam = torch.diag_embed(p) - p[:, :, None] * p[:, None, :]
-        moved = (Lam @ (V @ e[..., None]))[..., 0]
+        pred, e = f, (f - y.reshape(f.shape).to(f.dtype)) / noise_variance
     else:
-        moved = e * (p - p.square()) * V
-    return moved.abs().sum(-1), e, p
+        K = f.shape[-1]
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= K):
+            raise ValueError(f"targets: labels must lie in [0, {K}) for a model with {K} outputs")
+        pred = torch.softmax(f, dim=-1)
+        e = pred - nn.functional.one_hot(y.long(), K).to(pred.dtype)
+    full = V.ndim == 3
+    moved = (V @ e[..., None])[..., 0] if full else V * e
+    if likelihood == "categorical" and change == "probabilities":
+        if full:
+            Lam = torch.diag_embed(pred) - pred[:, :, None] * pred[:, None, :]
+            moved = (Lam @ moved[..., None])[..., 0]
+        else:
+            moved = (pred - pred.square()) * moved
+    return moved.abs().sum(-1), e, pred

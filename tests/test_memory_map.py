@@ -168,10 +168,12 @@ def test_changes_read_the_rows_as_l1_distances():
             "epochs": {"1": {"average": [[0.5, 0.5]]}},
         },
     ]
-    c = mm.changes(rows, "1")
+    c = mm.changes(rows, torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 0, 1]), "1")
     assert c["examples"] == [4, 9]
     np.testing.assert_allclose(c["truth"], [0.0, 0.4])
     np.testing.assert_allclose(c["floor"], [0.2, 0.0])
+    np.testing.assert_allclose(c["label"], [0.0, 0.2])  # labels 0 and 1
+    np.testing.assert_allclose(c["label_floor"], [0.1, 0.0])
 
 
 def test_rank_correlations_match_scipy_with_ties():
