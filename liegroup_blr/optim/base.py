@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
+from ..posterior import Posterior
 from .amp import inverse_scale, record_finite, scaler_step
 from .checks import check_choice, check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
@@ -94,6 +95,7 @@ class BLROptimizer(SampleHolding):
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         max_consecutive_skips: int | None = None,
+        prior: Posterior | None = None,
     ) -> None:
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
@@ -125,6 +127,8 @@ class BLROptimizer(SampleHolding):
             broadcast_elements([s["element"] for s in self.state.values()], process_group)
             self.restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
+        if prior is not None:
+            self.set_prior(prior)
         if between_steps == "sample":
             self._draw_resident()
 
@@ -151,18 +155,15 @@ class BLROptimizer(SampleHolding):
         t: GroupTensors,
         n: int,
         sample: SampleGrads | None,
+        prior: list[Tensor] | None,
     ) -> Proposal | None:
         """The update from the accumulators (n samples) and the deferred ``sample`` (its
-        noise and gradients: not yet in them, and then the only one, ``n = 1``); ``None``
-        rejects the step."""
+        noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
+        prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
+        entropy's when the optimizer has a prior; ``None`` rejects the step."""
         raise NotImplementedError
 
     # --------------------------------------------------------- sample protocol
-    @property
-    def pending_samples(self) -> int:
-        """Samples accumulated since the last update."""
-        return self._engine.samples
-
     @torch.no_grad()
     def draw(self, train: bool = True) -> Sample:
         """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
@@ -258,15 +259,6 @@ class BLROptimizer(SampleHolding):
                 "whose step() reads p.grad as it finds it"
             )
         return deferred
-
-    @torch.no_grad()
-    def discard(self) -> None:
-        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
-        point estimates again (between_steps="sample": a fresh sample); gradients left by
-        the abandoned samples are nobody's."""
-        self._end_step()
-        self._fresh_gradients()
-        self._between_steps()
 
     def _fresh_gradients(self) -> list[Tensor]:
         """The gradients of trained parameters made or changed since the engine last looked,
@@ -384,7 +376,8 @@ class BLROptimizer(SampleHolding):
                 sample = deferred.noise, grads  # the step's one sample
             elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
                 self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
-            proposal = self._propose(group, t, n, sample)
+            prior = None if engine.prior is None else engine.prior.gradients(self, group, t)
+            proposal = self._propose(group, t, n, sample, prior)
             if proposal is None:
                 break
             proposals.append(proposal)

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .amp import inverse_scale
-from .state import GroupStateOptimizer
+from .prior import PriorHolding
 from .tensors import GroupTensors
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["SampleHolding"]
 
 
-class SampleHolding(GroupStateOptimizer):
+class SampleHolding(PriorHolding):
     """The part of :class:`~liegroup_blr.optim.BLROptimizer` that decides what the parameters
     hold: :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`,
     :meth:`~liegroup_blr.optim.BLROptimizer.point_estimate`, and the training sample that
@@ -31,7 +31,6 @@ class SampleHolding(GroupStateOptimizer):
         def draw(self, train: bool = True) -> Sample: ...
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
-        def discard(self) -> None: ...
         def _take_deferred(self, index: int) -> Deferred | None: ...
         def _accumulate(
             self,
@@ -42,6 +41,20 @@ class SampleHolding(GroupStateOptimizer):
             first: bool,
         ) -> None: ...
 
+    @property
+    def pending_samples(self) -> int:
+        """Samples accumulated since the last update."""
+        return self._engine.samples
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
+        point estimates again (between_steps="sample": a fresh sample); gradients left by
+        the abandoned samples are nobody's."""
+        self._end_step()
+        self._fresh_gradients()
+        self._between_steps()
+
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps: the point estimates, or
         (between_steps="sample") a fresh sample."""
@@ -51,7 +64,7 @@ class SampleHolding(GroupStateOptimizer):
             self.restore()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As :meth:`GroupStateOptimizer.add_param_group`; with ``between_steps="sample"`` every
+        """As ``GroupStateOptimizer.add_param_group``; with ``between_steps="sample"`` every
         trained parameter then holds a fresh sample (the new ones included)."""
         super().add_param_group(param_group)
         if self._engine.resident is not None:

@@ -225,6 +225,7 @@ class GroupStateOptimizer(Optimizer):
         noise = self._engine.resident_rng or self.noise_source.state_dict()  # before the
         sd["rng"], sd["seed"] = noise["rng"], noise["seed"]  # parameters' sample, if any
         sd["skipped_steps"] = self._engine.skipped
+        sd.update(self._extra_state())
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -241,7 +242,8 @@ class GroupStateOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        extras = {k: state_dict.pop(k) for k in ("rng", "seed", "skipped_steps") if k in state_dict}
+        keys = ("rng", "seed", "skipped_steps", *self._extra_state_keys)
+        extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
         for i, (saved_group, live) in enumerate(
             zip(state_dict["param_groups"], self.param_groups, strict=False)
         ):
@@ -278,6 +280,7 @@ class GroupStateOptimizer(Optimizer):
             {"seed": extras.get("seed", self.seed), "rng": extras.get("rng", {})}
         )
         self._engine.skipped = int(extras.get("skipped_steps", 0))
+        self._load_extra_state(extras)
         self._engine.end_step()  # a loaded state starts between steps
         self._scratch.clear()
         self.noise_source.end_step()
@@ -285,6 +288,16 @@ class GroupStateOptimizer(Optimizer):
         self._between_steps()  # the point estimate, or the saved sample drawn again
         for post_hook in post_hooks.values():
             post_hook(self)
+
+    _extra_state_keys: tuple[str, ...] = ()
+    """Top-level state-dict entries of a subclass (:meth:`_extra_state`)."""
+
+    def _extra_state(self) -> dict[str, Any]:
+        """A subclass's top-level state-dict entries."""
+        return {}
+
+    def _load_extra_state(self, extras: dict[str, Any]) -> None:
+        """Restore :meth:`_extra_state` (absent keys: a state dict saved without them)."""
 
     def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         """Fill in what param groups of older state dicts lack."""
