@@ -304,8 +304,8 @@ class BLROptimizer(SampleHolding):
         (the scaler backs off) and the loss scale is taken off the gradients.
         """
         engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("step() cannot be called inside sampled_params()")
+        if engine.holding:
+            raise RuntimeError(f"step() cannot be called inside {engine.holding}()")
         inv_scale, found_inf = scaler_step(self, closure)
         loss = None
         if closure is not None:
@@ -327,7 +327,10 @@ class BLROptimizer(SampleHolding):
         """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
         engine = self._engine
         fresh = self._fresh_gradients()
-        if fresh and bool(torch.stack([g.abs().amax() for g in fresh]).gt(0).any()):
+        made_outside = bool(fresh) and bool(
+            torch.stack([g.abs().amax() for g in fresh]).gt(0).any()
+        )
+        if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
             self._refuse_outside_gradients()
         losses = []
         try:
@@ -336,7 +339,7 @@ class BLROptimizer(SampleHolding):
                 sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
                 with torch.enable_grad():
                     value = closure()
-                if self._fresh_gradients():
+                if self._fresh_gradients() or (s == 0 and made_outside):
                     self._accumulate_sample(sample, None, defer=True)
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
                 elif rng is not None:  # a closure that made no gradient takes no sample (a
@@ -406,22 +409,20 @@ class BLROptimizer(SampleHolding):
             self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
 
     def _skip(self) -> None:
-        """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
-        ``max_consecutive_skips`` in a row."""
+        """Count a skipped step; unless a GradScaler is calibrating its scale (a skip it
+        expects), warn and raise after ``max_consecutive_skips`` in a row."""
         engine = self._engine
         engine.skipped += 1
+        if "found_inf" in vars(self) or (self.grad_scaler and self.grad_scaler.is_enabled()):
+            return
         engine.consecutive += 1
         row = engine.consecutive
-        calibrating = "found_inf" in vars(self) or (  # a GradScaler's business
-            self.grad_scaler is not None and self.grad_scaler.is_enabled()
+        warnings.warn(
+            f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
+            f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
+            RuntimeWarning,
+            stacklevel=4,
         )
-        if not calibrating:
-            warnings.warn(
-                f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
-                f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
         if self.max_consecutive_skips is not None and row >= self.max_consecutive_skips:
             raise FloatingPointError(
                 f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "

@@ -90,14 +90,14 @@ class SampleHolding(PriorHolding):
         ``train=True`` is refused there: the parameters already hold a training sample).
         """
         engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("sampled_params blocks cannot be nested")
+        if engine.holding:
+            raise RuntimeError(f"sampled_params() cannot be nested inside {engine.holding}()")
         if train and self.between_steps == "sample":
             raise RuntimeError(
                 "sampled_params(train=True) with between_steps='sample': the parameters "
                 "already hold a training sample; run forward and backward, then step()"
             )
-        engine.sampling = True
+        engine.holding = "sampled_params"
         try:
             with self._holding_resident():
                 sample = self.draw(train)
@@ -105,7 +105,7 @@ class SampleHolding(PriorHolding):
                 if train:
                     self.accumulate(sample, defer=True)
         finally:
-            engine.sampling = False
+            engine.holding = ""
             if not engine.samples:
                 engine.tensors.clear()  # parameters may be frozen before the next step
             if self.between_steps == "point":
@@ -117,12 +117,17 @@ class SampleHolding(PriorHolding):
         every parameter the optimizer has trained (frozen ones too) for the block, whatever
         they hold between steps; on exit they hold what they held before (with
         ``between_steps="sample"``, the training sample)."""
+        engine = self._engine
+        if engine.holding:
+            raise RuntimeError(f"point_estimate() cannot be nested inside {engine.holding}()")
         params = [p for group in self.param_groups for p in group["params"] if p in self.state]
         kept = [p.detach().clone() for p in params]
+        engine.holding = "point_estimate"
         try:
             self.restore(frozen=True)
             yield
         finally:
+            engine.holding = ""
             with torch.no_grad():
                 torch._foreach_copy_(params, kept)
 

@@ -70,7 +70,7 @@ class EngineState:
 
     Attributes:
         samples: samples accumulated since the last update.
-        sampling: inside a :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` block.
+        holding: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
         skipped: updates skipped for non-finite values, in all.
         consecutive: updates skipped in a row.
         pending: parameters with accumulated samples (a set, ordered).
@@ -85,7 +85,7 @@ class EngineState:
     """
 
     samples: int = 0
-    sampling: bool = False
+    holding: str = ""
     skipped: int = 0
     consecutive: int = 0
     pending: dict[Tensor, None] = field(default_factory=dict)

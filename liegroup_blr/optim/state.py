@@ -210,7 +210,7 @@ class GroupStateOptimizer(Optimizer):
         parameters: they are left out (so the dict loads with ``torch.load(weights_only=True)``)
         and :meth:`load_state_dict` keeps those the optimizer was built with.
         """
-        if self._engine.sampling or self._engine.samples:
+        if self._engine.holding == "sampled_params" or self._engine.samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
