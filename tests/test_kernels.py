@@ -241,17 +241,20 @@ def _functional_update(kind, g, mom, acc, spare, p, sample, hp):
     if kind == "additive":
         grads = None if sample is None else sample[1]
         return additive_update(
-            [acc], [mom], [g], [spare], [p], grads, None, beta=hp["beta"], **common
+            [acc], [mom], [g], [spare], [p], grads, None, [], beta=hp["beta"], **common
         )
     tensors = (parts([t]) for t in (acc, mom, g, spare))
     if kind == "multiplicative":
         rows = None if sample is None else (parts(sample[0]), sample[1])
-        return multiplicative_update(*tensors, [p], rows, -hp["shift"], beta=hp["beta"], **common)
+        return multiplicative_update(
+            *tensors, [p], rows, -hp["shift"], [], beta=hp["beta"], **common
+        )
     return affine_update(
         *tensors,
         [p],
         sample,
         -hp["shift"],
+        [],
         betas=(0.9, hp["beta"]),
         scale_lr=torch.tensor(hp["scale_lr"], dtype=DTYPE),
         **common,

@@ -94,6 +94,8 @@ class AffineBLR(BLROptimizer):
 
     lie_group: DiagonalAffineGroup
 
+    draws_in_update = True
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -160,12 +162,13 @@ class AffineBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         affine_accumulate(t.accs, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample, prior) -> Proposal:
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
         lr = group["lr"]
         entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         return affine(
             t,
             sample,
+            draw=draw,
             n=n,
             betas=(group["scale_momentum"], group["momentum"]),
             offset=entropy if prior is None else prior,
@@ -297,17 +300,21 @@ def affine_update(
     params: list[Tensor],
     sample: SampleGrads | None,
     offset: float | list[Rows],
+    noise: list[Tensor],
     *,
     n: int,
     betas: tuple[float, float],
     lr: Tensor,
     scale_lr: Tensor,
     mean: float | None,
+    draw: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas over the rows (A, b) of each tensor, one loop per
     parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
-    into ``spares``, θ into ``params``, from the accumulators or a deferred ``sample``
-    (ξ, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample
+    A'ξ' + b', ξ' read from the accumulator's first row in a one-sample step and kept in
+    ``noise``, the step's ξ read from ``noise``), from the accumulators or a deferred
+    ``sample`` (ξ, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
     sums = []
     for i, (acc, m, g, spare, p) in enumerate(
         zip(accs, momenta, elements, spares, params, strict=True)
@@ -316,15 +323,20 @@ def affine_update(
             x_u, x_v = acc[0] * g[0], acc[1] * g[0]
         else:
             x_v = g[0] * sample[1][i]
-            x_u = x_v * sample[0][i]
+            x_u = x_v * (noise[i] if draw else sample[0][i])
         c = (offset, 0.0) if isinstance(offset, float) else offset[i]
         u = momentum(x_u, m[0], n=n, beta=betas[0], offset=c[0])
         v = momentum(x_v, m[1], n=n, beta=betas[1], offset=c[1])
         A, b = affine_move(g, u, v, lr, scale_lr)
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            xi = acc[0].clone()
+            p.copy_(A * xi + b)
+            noise[i].copy_(xi)
+        else:
+            p.copy_(affine_readout(A, b, mean))
         for row, (new_m, new_g) in enumerate(((u, A), (v, b))):
             acc[row].copy_(new_m)
             spare[row].copy_(new_g)
-        p.copy_(affine_readout(A, b, mean))
         sums.append(u.sum() + v.sum())
     return sums
 
@@ -333,6 +345,7 @@ def affine(
     t: GroupTensors,
     sample: SampleGrads | None,
     *,
+    draw: bool,
     n: int,
     betas: tuple[float, float],
     offset: float | list[Tensor],
@@ -342,7 +355,7 @@ def affine(
 ) -> Proposal:
     """The affine rule's update of a param group from its accumulators (``n`` samples) or
     its one deferred ``sample`` (ξ, ∇ℓ̄_δ): eager, in place, or as one compiled kernel per
-    parameter into the spares."""
+    parameter into the spares (which also draws the next sample with ``draw``)."""
     if not compile:
         affine_momentum_(
             t.accs, t.momenta, t.elements, n=n, betas=betas, offset=offset, sample=sample
@@ -355,10 +368,12 @@ def affine(
         t.params,
         sample,
         offset if isinstance(offset, float) else rows(offset),  # new each step
+        t.noise,
         n=n,
         betas=betas,
         lr=torch.tensor(lr, dtype=dtype),
         scale_lr=torch.tensor(scale_lr, dtype=dtype),
         mean=t.mean,
+        draw=draw,
     )
     return Proposal(t.accs, sums)

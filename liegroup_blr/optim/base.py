@@ -54,17 +54,11 @@ class BLROptimizer(SampleHolding):
     r"""Base class of the Lie-group rules: the Monte-Carlo loop and everything rules share.
 
     Each trained parameter θ is the readout of :math:`g \cdot \xi`, :math:`\xi \sim q_0`, with
-    its own group element g; outside :meth:`sampled_params` it holds the point estimate.
-
-    Sample protocol (what :func:`~liegroup_blr.mc.mc_step` and custom loops use):
-    :meth:`draw` writes a sample into the parameters and returns a :class:`Sample`;
-    :meth:`accumulate` adds that sample's algebra gradient (from ``p.grad`` or given
-    gradients) to the pending step, at once or, with ``defer=True``, when the next sample is
-    drawn or accumulated or the step is taken; :meth:`restore` writes the point estimates back;
-    :attr:`pending_samples` counts what :meth:`step` (without a closure) will average.
-
-    The keyword-only arguments after ``point_estimate`` are the engine's options,
-    :class:`~liegroup_blr.optim.EngineOptions`.
+    its own group element g; outside :meth:`sampled_params` it holds the point estimate (or,
+    ``between_steps="sample"``, a sample). The sample protocol (:meth:`draw`,
+    :meth:`accumulate`, :meth:`restore`, :attr:`pending_samples`) is what
+    :func:`~liegroup_blr.mc.mc_step` and custom loops use. The keyword-only arguments after
+    ``point_estimate`` are the engine's options, :class:`~liegroup_blr.optim.EngineOptions`.
 
     Args:
         params: parameters or param groups.
@@ -76,6 +70,8 @@ class BLROptimizer(SampleHolding):
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
+    draws_in_update = False
+    """Whether the rule's compiled update can draw the next sample (``draw``)."""
     lie_group: LieGroup
 
     def __init__(
@@ -156,11 +152,15 @@ class BLROptimizer(SampleHolding):
         n: int,
         sample: SampleGrads | None,
         prior: list[Tensor] | None,
+        draw: bool,
     ) -> Proposal | None:
         """The update from the accumulators (n samples) and the deferred ``sample`` (its
         noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
         prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
-        entropy's when the optimizer has a prior; ``None`` rejects the step."""
+        entropy's when the optimizer has a prior; ``None`` rejects the step. With ``draw``
+        (a compiled one-sample step, ``between_steps="sample"``; the next sample's ξ' is in
+        the accumulators) the update writes the next sample θ = readout(g'·ξ') into the
+        parameters and its noise into ``t.noise`` instead of the point estimate."""
         raise NotImplementedError
 
     # --------------------------------------------------------- sample protocol
@@ -364,6 +364,11 @@ class BLROptimizer(SampleHolding):
             self._accumulate_deferred()
             accs = [a for _, _, t in work for a in t.accs]
             n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
+        drawn = dict(engine.tensors)
+        fused = self.draws_in_update and self.compile and self.between_steps == "sample"
+        fused = started = fused and n == 1 and len(work) == len(drawn)  # drawn by the update
+        if started:
+            self._start_next_sample()
         proposals: list[Proposal] = []
         for index, group, t in work if finite else []:
             deferred, sample = self._take_deferred(index), None
@@ -380,7 +385,10 @@ class BLROptimizer(SampleHolding):
             elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
                 self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
             prior = None if engine.prior is None else engine.prior.gradients(self, group, t)
-            proposal = self._propose(group, t, n, sample, prior)
+            fused = fused and sample is not None and t is drawn[index]
+            if fused:
+                self._next_noise(index, group, t, sample[0])  # type: ignore[index]
+            proposal = self._propose(group, t, n, sample, prior, fused)
             if proposal is None:
                 break
             proposals.append(proposal)
@@ -400,12 +408,12 @@ class BLROptimizer(SampleHolding):
             self._skip()
         if self.grad_scaler is not None:
             record_finite(self.grad_scaler, moved or not work)
-        drawn = dict(engine.tensors)
         engine.end_step()
-        self.noise_source.end_step()
         if self.between_steps == "sample":
-            self._draw_resident()
-        elif len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
+            self._hold_next_sample(drawn, started, fused and moved)
+            return
+        self.noise_source.end_step()
+        if len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
             self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
 
     def _skip(self) -> None:

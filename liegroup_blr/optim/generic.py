@@ -171,7 +171,7 @@ class LieGroupBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         generic_accumulate(self._group_of(group), t.accs, t.elements, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample, prior) -> Proposal | None:
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal | None:
         G = self._group_of(group)
         weight = 0.0 if G.constant_entropy else group["temperature"]
         weight = weight / group["data_size"] if weight else 0.0

@@ -12,10 +12,10 @@ from torch import Tensor
 
 from .amp import inverse_scale
 from .prior import PriorHolding
-from .tensors import GroupTensors
+from .tensors import GroupTensors, Sample
 
 if TYPE_CHECKING:
-    from .tensors import Deferred, Sample
+    from .tensors import Deferred
 
 __all__ = ["SampleHolding"]
 
@@ -69,6 +69,43 @@ class SampleHolding(PriorHolding):
         super().add_param_group(param_group)
         if self._engine.resident is not None:
             self._draw_resident()
+
+    def _start_next_sample(self) -> None:
+        """Open the next training sample before the update that draws it (a compiled update
+        in sample mode), keeping the generators' state from before it."""
+        self._engine.resident_rng = self.noise_source.state_dict()
+        self.noise_source.end_step()
+        self.noise_source.start_sample(True)
+
+    def _next_noise(
+        self, index: int, group: dict[str, Any], t: GroupTensors, current: list[Tensor]
+    ) -> None:
+        """Draw the next sample's ξ of param group ``index`` into the accumulators (the first
+        entries of each: the base's shape), which a one-sample update reads nothing else
+        from and writes the new momenta into after it read ξ; and make ``t.noise`` hold the
+        step's sample's noise, which that update reads and overwrites."""
+        outs = [a.view(-1)[: b.numel()].view(b.shape) for a, b in zip(t.accs, t.noise, strict=True)]
+        xi = self.noise_source.sample(outs, group["base"], t.params, index)
+        if xi is not outs:  # windows of a noise table
+            torch._foreach_copy_(outs, xi)
+        if any(c is not n for c, n in zip(current, t.noise, strict=True)):
+            torch._foreach_copy_(t.noise, current)  # the step's ξ was a table window
+
+    def _hold_next_sample(
+        self, drawn: dict[int, GroupTensors], started: bool, drawn_by_update: bool
+    ) -> None:
+        """After a step in sample mode: the sample the update drew is the parameters' (its
+        noise in the noise buffers), or, when it did not (an eager step, a skipped one, a
+        parameter without a sample), one is drawn now from the same generators' state."""
+        if drawn_by_update:
+            params = [p for t in drawn.values() for p in t.params]
+            noise = [n for t in drawn.values() for n in t.noise]
+            self._engine.resident = Sample(params, params, noise)
+            return
+        if started:
+            self.noise_source.load_state_dict(self._engine.resident_rng or {})
+        self.noise_source.end_step()
+        self._draw_resident()
 
     def _draw_resident(self) -> None:
         """Draw the sample the parameters hold until the next step, keeping the noise

@@ -96,6 +96,8 @@ class MultiplicativeBLR(BLROptimizer):
 
     lie_group: MultiplicativeGroup
 
+    draws_in_update = True
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -164,11 +166,12 @@ class MultiplicativeBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 
-    def _propose(self, group, t, n, sample, prior) -> Proposal:
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
         entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         return multiplicative(
             t,
             sample,
+            draw=draw,
             n=n,
             beta=group["momentum"],
             offset=entropy if prior is None else prior,
@@ -299,16 +302,20 @@ def multiplicative_update(
     params: list[Tensor],
     sample: tuple[list[Rows], list[Tensor]] | None,
     offset: float | list[Rows],
+    noise: list[Rows],
     *,
     n: int,
     beta: float,
     lr: Tensor,
     mean: float | None,
+    draw: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas over the rows (g⁺, g⁻) or (g,) of each tensor, one loop
     per parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
-    into ``spares``, θ into ``params``, from the accumulators or a deferred ``sample``
-    (w, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample's
+    readout of w' = g' ⊙ ξ', ξ' read from the accumulator of a one-sample step, w' kept in
+    ``noise``), from the accumulators or a deferred ``sample`` (w, ∇ℓ̄_δ); returns each new
+    momentum's sum (not finite if any entry is not)."""
     sums = []
     for i, (acc, m, g, spare, p) in enumerate(
         zip(accs, momenta, elements, spares, params, strict=True)
@@ -323,10 +330,16 @@ def multiplicative_update(
             c = offset if isinstance(offset, float) else offset[i][j]
             news.append(momentum(x, m[j], n=n, beta=beta, offset=c))
             moved.append(multiplicative_move(g[j], news[j], lr))
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            w = [moved[j] * acc[j] for j in range(len(g))]
+            p.copy_(multiplicative_readout(tuple(w), None))
+            for j in range(len(g)):
+                noise[i][j].copy_(w[j])
+        else:
+            p.copy_(multiplicative_readout(tuple(moved), mean))
         for j in range(len(g)):  # the writes after all reads: one loop under inductor
             acc[j].copy_(news[j])
             spare[j].copy_(moved[j])
-        p.copy_(multiplicative_readout(tuple(moved), mean))
         sums.append(news[0].sum() + news[1].sum() if len(news) == 2 else news[0].sum())
     return sums
 
@@ -335,6 +348,7 @@ def multiplicative(
     t: GroupTensors,
     sample: SampleGrads | None,
     *,
+    draw: bool,
     n: int,
     beta: float,
     offset: float | list[Tensor],
@@ -344,7 +358,7 @@ def multiplicative(
 ) -> Proposal:
     """The multiplicative rule's update of a param group from its accumulators (``n``
     samples) or its one deferred ``sample`` (w, ∇ℓ̄_δ): eager, in place, or as one compiled
-    kernel per parameter into the spares."""
+    kernel per parameter into the spares (which also draws the next sample with ``draw``)."""
     if not compile:
         multiplicative_momentum_(
             t.accs, t.momenta, n=n, beta=beta, offset=offset, signed=signed, sample=sample
@@ -356,9 +370,11 @@ def multiplicative(
         t.params,
         deferred,
         offset if isinstance(offset, float) else rows(offset, signed),  # new each step
+        t.rows(t.noise, signed),
         n=n,
         beta=beta,
         lr=torch.tensor(lr, dtype=t.elements[0].dtype),  # a tensor: schedules do not recompile
         mean=t.mean,
+        draw=draw,
     )
     return Proposal(t.accs, sums)
