@@ -204,7 +204,8 @@ def test_checkpoint_holds_the_point_estimate_and_resumes_bit_for_bit(tmp_path, b
     a, b = (unwrap(t.optimizers[0]) for t in (full_trainer, resumed_trainer))
     assert a is not None and b is not None
     assert_same(elements(a, full.net), elements(b, resumed.net))
-    for w, v in zip(full.recorder.train_weights()[2:], resumed.recorder.train_weights(), strict=True):
+    after = full.recorder.train_weights()[2:]
+    for w, v in zip(after, resumed.recorder.train_weights(), strict=True):
         assert torch.equal(w, v)  # the same samples after the resume
 
 
