@@ -98,7 +98,9 @@ class BLRCallback(pl.Callback):
             stack.callback(_put_forward, pl_module, own)
         self._holding = stack
 
-    def _end(self, *_: Any) -> None:
+    def _end(
+        self, trainer: pl.Trainer | None = None, pl_module: pl.LightningModule | None = None
+    ) -> None:
         if self._holding is not None:
             holding, self._holding = self._holding, None
             holding.close()
@@ -117,7 +119,7 @@ def _put_forward(module: pl.LightningModule, own: Any) -> None:
     if own is None:
         del module.forward
     else:
-        module.forward = own
+        module.forward = own  # type: ignore[method-assign]
 
 
 def _check_automatic(trainer: pl.Trainer, optimizer: BLROptimizer) -> None:
