@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributions import Normal
 from torch.utils.data import DataLoader, TensorDataset
 
 import liegroup_blr as lgb
-from liegroup_blr.optim import BLROptimizer, unwrap
+from liegroup_blr.optim import BLROptimizer
 from liegroup_blr.predictive import predictive_log_probs
 
 from .training_loops import (
@@ -33,22 +32,24 @@ from .training_loops import (
 )
 
 
-def make(params: Any) -> BLROptimizer:
-    return lgb.AffineBLR(
-        params, lr=0.2, scale_lr=0.05, data_size=64, seed=4, between_steps="sample"
-    )
+def make(params: Any, between_steps: str = "sample") -> BLROptimizer:
+    # the default between_steps="point" is left out: the predictive test also runs on
+    # releases that predate the option (the silent failure it catches)
+    mode = {} if between_steps == "point" else {"between_steps": between_steps}
+    return lgb.AffineBLR(params, lr=0.2, scale_lr=0.05, data_size=64, seed=4, **mode)
 
 
-def prepared(scaler: torch.amp.GradScaler | None = None) -> tuple[Any, nn.Module, Any, Any]:
+def prepared(
+    scaler: torch.amp.GradScaler | None = None, between_steps: str = "sample"
+) -> tuple[Any, nn.Module, Any, Any]:
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     if scaler is not None:  # what accelerate makes for mixed_precision="fp16" on a GPU
         accelerator.scaler = scaler
     net = make_net()
-    model, optimizer, data = accelerator.prepare(
-        net, make(net.parameters()), DataLoader(TensorDataset(*task()), batch_size=BATCH)
-    )
+    data = DataLoader(TensorDataset(*task()), batch_size=BATCH)
+    model, optimizer, data = accelerator.prepare(net, make(net.parameters(), between_steps), data)
     return accelerator, model, optimizer, data
 
 
@@ -65,9 +66,11 @@ def plain(steps: int = STEPS) -> tuple[nn.Module, BLROptimizer, list[torch.Tenso
 
 
 def test_prepare_then_train_in_sample_mode_equals_the_plain_loop():
+    from liegroup_blr.optim import unwrap
+
     accelerator, model, optimizer, data = prepared()
     blr = unwrap(optimizer)
-    assert blr is not None and blr is not optimizer
+    assert blr is optimizer.optimizer
     initial = elements(blr, model)
     recorder = Recorder().attach(model[0])
     for x, y in data:
@@ -82,11 +85,12 @@ def test_prepare_then_train_in_sample_mode_equals_the_plain_loop():
     assert all(not torch.equal(w, p) for w, p in zip(seen, points, strict=True))
 
 
-def test_sampled_params_and_the_predictive_functions_through_the_wrapper():
+def test_sampled_params_through_unwrap_keeps_the_training_sample():
+    from liegroup_blr.optim import unwrap
+
     _, model, optimizer, _ = prepared()
     blr = unwrap(optimizer)
     assert blr is not None
-    x, y = task(BATCH)
     resident = model[0].weight.detach().clone()
     with blr.sampled_params():
         sample = model[0].weight.detach().clone()
@@ -94,6 +98,15 @@ def test_sampled_params_and_the_predictive_functions_through_the_wrapper():
     assert not torch.equal(sample, resident)
     assert not torch.equal(sample, point_weights(blr, model[0]))
 
+
+@pytest.mark.parametrize("between_steps", ["point", "sample"])
+def test_the_predictive_functions_given_the_wrapper_use_the_posterior(between_steps):
+    """Given accelerate's wrapper, predictive_log_probs averages posterior samples (once it
+    silently predicted at the point estimate), and mc_step and Posterior.from_optimizer
+    act on the optimizer inside."""
+    _, model, optimizer, _ = prepared(between_steps=between_steps)
+    blr = optimizer.optimizer
+    x, y = task(BATCH)
     twin, posterior = copy.deepcopy((model, blr))
     through = predictive_log_probs(model, [x], optimizer, samples=4)
     direct = predictive_log_probs(twin, [x], posterior, samples=4)
@@ -122,8 +135,7 @@ def test_accelerate_grad_scaler_path_is_exact_against_unscaled_float32(inf_at):
     same run as unscaled float32, and an inf skips the step and halves the scale."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     accelerator, model, optimizer, data = prepared(scaler)
-    blr = unwrap(optimizer)
-    assert blr is not None
+    blr = optimizer.optimizer
     history = []
     for step, (x, y) in enumerate(data):
         optimizer.zero_grad()

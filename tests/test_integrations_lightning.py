@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, TensorDataset
 
 import liegroup_blr as lgb
-from liegroup_blr.optim import BLROptimizer, unwrap
+from liegroup_blr.optim import BLROptimizer
 from liegroup_blr.predictive import log_mean_softmax
 
 from .training_loops import (
@@ -44,13 +44,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 def additive(between_steps: str = "point", mc_samples: int = 1) -> Callable[[Any], BLROptimizer]:
     def make(params: Any) -> BLROptimizer:
+        # the default between_steps="point" is left out: these tests also run on releases
+        # that predate the option (the silent failures they catch)
+        mode = {} if between_steps == "point" else {"between_steps": between_steps}
         return lgb.AdditiveBLR(
-            params,
-            lr=0.5,
-            base=Normal(0.0, 0.1),
-            mc_samples=mc_samples,
-            seed=1,
-            between_steps=between_steps,
+            params, lr=0.5, base=Normal(0.0, 0.1), mc_samples=mc_samples, seed=1, **mode
         )
 
     return make
@@ -106,8 +104,6 @@ def fit(model: Any, callbacks: list[Any] | None = None, **options: Any) -> Any:
     """``trainer.fit`` on the task (unshuffled); the trainer."""
     import lightning.pytorch as pl
 
-    from liegroup_blr.integrations.lightning import BLRCallback
-
     x, y = task()
     ckpt_path = options.pop("ckpt_path", None)
     val = options.pop("val", None)
@@ -120,8 +116,12 @@ def fit(model: Any, callbacks: list[Any] | None = None, **options: Any) -> Any:
         "enable_progress_bar": False,
         "enable_model_summary": False,
         "num_sanity_val_steps": 0,
-        "callbacks": [BLRCallback()] if callbacks is None else callbacks,
     }
+    if callbacks is None:
+        from liegroup_blr.integrations.lightning import BLRCallback
+
+        callbacks = [BLRCallback()]
+    settings["callbacks"] = callbacks
     trainer = pl.Trainer(**{**settings, **options})
     trainer.fit(model, loader(x, y), val, ckpt_path=ckpt_path)
     return trainer
@@ -141,7 +141,7 @@ def test_automatic_mc_samples_scheduler_and_clipping_equal_the_closure_loop():
         make, scheduler=lambda o: {"scheduler": StepLR(o, 1, gamma=0.5), "interval": "step"}
     )
     trainer = fit(model, gradient_clip_val=0.1)
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
     net, reference = start(make)
@@ -184,7 +184,7 @@ def test_checkpoint_holds_the_point_estimate_and_resumes_bit_for_bit(tmp_path, b
     class PointAtSave(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             if trainer.global_step == 2 and not hasattr(self, "point"):
-                with unwrap(trainer.optimizers[0]).point_estimate():  # type: ignore[union-attr]
+                with trainer.optimizers[0].point_estimate():  # type: ignore[union-attr]
                     self.point = {k: v.clone() for k, v in module.state_dict().items()}
                 self.held = {k: v.clone() for k, v in module.state_dict().items()}
 
@@ -201,7 +201,7 @@ def test_checkpoint_holds_the_point_estimate_and_resumes_bit_for_bit(tmp_path, b
 
     resumed = classifier(make)
     resumed_trainer = fit(resumed, ckpt_path=path, max_epochs=2, limit_train_batches=2)
-    a, b = (unwrap(t.optimizers[0]) for t in (full_trainer, resumed_trainer))
+    a, b = (t.optimizers[0] for t in (full_trainer, resumed_trainer))
     assert a is not None and b is not None
     assert_same(elements(a, full.net), elements(b, resumed.net))
     after = full.recorder.train_weights()[2:]
@@ -213,7 +213,7 @@ def test_accumulate_grad_batches_in_sample_mode_is_one_sample_on_both_micro_batc
     make = additive("sample")
     model = classifier(make)
     trainer = fit(model, accumulate_grad_batches=2)
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
     net, reference = start(make)
@@ -261,7 +261,7 @@ def test_bf16_mixed_on_cpu_trains_at_samples_like_the_autocast_loop():
     make = additive(mc_samples=2)
     model = classifier(make)
     trainer = fit(model, precision="bf16-mixed")
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
     net, reference = start(make)
@@ -293,7 +293,7 @@ def test_mixed_precision_plugin_with_a_grad_scaler_steps_the_sample_it_ran_at():
     model = classifier(make)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = fit(model, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
     net, reference = start(make)
@@ -328,7 +328,7 @@ def test_validation_test_and_predict_run_at_the_point_estimate_in_sample_mode():
     model = classifier(make)
     x, y = task()
     trainer = fit(model, val=loader(x[:BATCH], y[:BATCH]), val_check_interval=2)
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
     net, reference = start(make)
@@ -361,7 +361,7 @@ def test_predict_at_the_model_average_of_samples():
     make = additive("sample")
     model = classifier(make)
     trainer = fit(model, [BLRCallback(evaluate="average", samples=3)])
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
     x, y = task()
     net, twin = copy.deepcopy((model.net, optimizer))  # the same posterior and generators
@@ -459,7 +459,7 @@ def test_manual_optimization_through_self_optimizers_equals_the_plain_loop(
     make = additive(between_steps, mc_samples)
     model = classifier(make, manual=manual)
     trainer = fit(model, max_steps=1)
-    optimizer = unwrap(trainer.optimizers[0])
+    optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
     net, reference = start(make)

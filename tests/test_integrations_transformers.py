@@ -322,6 +322,19 @@ def multiplicative(params: Any) -> BLROptimizer:
     )
 
 
+def test_multiplicative_default_init_keeps_the_layer_norms_of_a_tiny_bert():
+    """Once every LayerNorm weight became exactly 0 (g+ = g- from a permutation of a
+    constant tensor) and the network gave every input the same output."""
+    model = tiny_bert()
+    lgb.MultiplicativeBLR(model.parameters(), lr=0.05, data_size=64, seed=2)
+    norms = [m.weight for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert norms and all(torch.allclose(w, torch.ones_like(w), atol=1e-4) for w in norms)
+    ids = torch.stack([r["input_ids"] for r in sentences(8)])
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids).logits
+    assert logits.std(0).min() > 1e-3  # inputs are told apart
+
+
 def test_tiny_bert_trains_evaluates_saves_and_resumes(tmp_path):
     from liegroup_blr.integrations.transformers import BLRTrainer
 
