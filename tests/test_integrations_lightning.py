@@ -140,7 +140,7 @@ def test_automatic_mc_samples_scheduler_and_clipping_equal_the_closure_loop():
     model = classifier(
         make, scheduler=lambda o: {"scheduler": StepLR(o, 1, gamma=0.5), "interval": "step"}
     )
-    trainer = fit(model, gradient_clip_val=0.1)
+    trainer = fit(model, [], gradient_clip_val=0.1)  # training needs no callback
     optimizer = trainer.optimizers[0]
     assert optimizer is not None
 
@@ -458,7 +458,7 @@ def test_manual_optimization_through_self_optimizers_equals_the_plain_loop(
     block counted through Lightning's wrapper once made it exactly 3x the right one)."""
     make = additive(between_steps, mc_samples)
     model = classifier(make, manual=manual)
-    trainer = fit(model, max_steps=1)
+    trainer = fit(model, [], max_steps=1)  # training needs no callback
     optimizer = trainer.optimizers[0]
     assert optimizer is not None
 

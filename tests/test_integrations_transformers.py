@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributions import Normal
 
 import liegroup_blr as lgb
-from liegroup_blr.optim import BLROptimizer, unwrap
+from liegroup_blr.optim import BLROptimizer
 from liegroup_blr.predictive import predictive_log_probs
 
 from .training_loops import (
@@ -194,6 +194,8 @@ def test_trainer_saves_the_point_estimate_and_resumes_bit_for_bit(tmp_path):
         points: dict[int, dict[str, Tensor]] = {}  # noqa: RUF012
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            from liegroup_blr.optim import unwrap
+
             model, blr = kwargs["model"], unwrap(kwargs["optimizer"])
             assert blr is not None
             held = model.net[0].weight.detach().clone()
