@@ -78,7 +78,7 @@ def additive(between_steps: str = "sample", mc_samples: int = 1) -> Callable[[An
 
 
 def arguments(path: Path, **options: Any) -> Any:
-    """Unshuffled batches of 16, a constant learning rate, ``max_grad_norm`` = CLIP."""
+    """Batches of 16, a constant learning rate, ``max_grad_norm`` = CLIP."""
     import transformers
 
     settings: dict[str, Any] = {
@@ -88,7 +88,6 @@ def arguments(path: Path, **options: Any) -> Any:
         "max_steps": STEPS,
         "lr_scheduler_type": "constant",
         "max_grad_norm": CLIP,
-        "train_sampling_strategy": "sequential",
         "remove_unused_columns": False,
         "report_to": "none",
         "save_strategy": "no",
@@ -99,11 +98,22 @@ def arguments(path: Path, **options: Any) -> Any:
     return transformers.TrainingArguments(**{**settings, **options})
 
 
+def in_order(trainer: type) -> type:
+    """``trainer`` reading the training set unshuffled, as the plain loops do (the Trainer's
+    own option for it, ``train_sampling_strategy``, is newer than transformers 5.0)."""
+
+    class InOrder(trainer):  # type: ignore[misc, valid-type]
+        def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    return InOrder
+
+
 def trainer_for(model: nn.Module, optimizer: Any, path: Path, **options: Any) -> Any:
     from liegroup_blr.integrations.transformers import BLRTrainer
 
     extra = {k: options.pop(k) for k in ("evaluate", "samples") if k in options}
-    return BLRTrainer(
+    return in_order(BLRTrainer)(
         model=model,
         args=arguments(path, **options),
         train_dataset=dataset(),
@@ -252,7 +262,7 @@ def test_what_the_trainer_cannot_step_is_refused_in_one_line(
     initial = elements(optimizer, model.net)
     refusals = (([BLRTrainerCallback()], ValueError, fix), (None, RuntimeError, engine))
     for callbacks, error, message in refusals:
-        trainer = transformers.Trainer(
+        trainer = in_order(transformers.Trainer)(
             model=model,
             args=arguments(tmp_path),
             train_dataset=dataset(),
@@ -272,7 +282,7 @@ def test_the_callback_leaves_the_point_estimate_and_a_second_train_continues_exa
     make = additive()
     model = MLP()
     optimizer = make(model.parameters())
-    trainer = transformers.Trainer(
+    trainer = in_order(transformers.Trainer)(
         model=model,
         args=arguments(tmp_path, max_steps=2),
         train_dataset=dataset(),
@@ -343,7 +353,7 @@ def test_tiny_bert_trains_evaluates_saves_and_resumes(tmp_path):
     def run(path: Path, resume: str | None = None, **options: Any) -> tuple[Any, Any, Any]:
         model = tiny_bert()
         optimizer = multiplicative(model.parameters())
-        trainer = BLRTrainer(
+        trainer = in_order(BLRTrainer)(
             model=model,
             args=arguments(path, **options),
             train_dataset=sentences(),

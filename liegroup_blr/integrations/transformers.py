@@ -107,8 +107,8 @@ class BLRTrainer(transformers.Trainer):
     def _posterior(self) -> list[BLROptimizer]:
         return blr_optimizers([self.optimizer])
 
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        optimizer = super().create_optimizer(model)
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(*args, **kwargs)
         check_optimizer(optimizer)
         return optimizer
 
