@@ -5,6 +5,8 @@ two gaps of the engine found while wiring the stacks (expected failures until it
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -151,3 +153,13 @@ def test_a_scaler_driven_skip_is_calibration_not_divergence():
         scaler.step(optimizer)  # raises FloatingPointError at the second
         scaler.update()
     assert scaler.get_scale() == 2.0**9
+
+
+def test_importing_the_library_imports_no_training_stack():
+    """The stacks are optional extras: only the integration submodules import them."""
+    code = (
+        "import sys, liegroup_blr, liegroup_blr.integrations, liegroup_blr.predictive\n"
+        "loaded = {'lightning', 'transformers', 'accelerate'} & set(sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
