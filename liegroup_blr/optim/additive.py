@@ -109,10 +109,10 @@ class AdditiveBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         additive_accumulate(t.accs, grads, first=first)
 
-    def _propose(self, group, t, n, sample) -> Proposal:
+    def _propose(self, group, t, n, sample, prior) -> Proposal:
         grads = None if sample is None else sample[1]
         beta, lr = group["momentum"], group["lr"]
-        return additive(t, grads, n=n, beta=beta, lr=lr, compile=self.compile)
+        return additive(t, grads, n=n, beta=beta, lr=lr, offset=prior, compile=self.compile)
 
     def _write_point(self, group, params, elements, mean) -> None:
         additive_readout_(params, elements, mean=mean)
@@ -152,12 +152,16 @@ def additive_momentum_(
     n: int,
     beta: float,
     grads: list[Tensor] | None = None,
+    offset: list[Tensor] | None = None,
 ) -> None:
     """:func:`~.kernel_utils.momentum` in place, into the accumulators: acc ← β M + (1 − β)
-    acc/n, or from the ``grads`` of a deferred sample in the same pass."""
+    (acc/n + c), or from the ``grads`` of a deferred sample in the same pass; c is 0 (the
+    entropy is constant) or a prior's ``offset``."""
     for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
         x = acc if grads is None else grads[i]
-        if n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
+        if offset is not None:
+            x = torch.add(offset[i], x, alpha=1.0 / n, out=acc)
+        elif n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
             x = torch.mul(x, 1.0 / n, out=acc)
         torch.lerp(x, m, beta, out=acc)
 
@@ -190,6 +194,7 @@ def additive_update(
     spares: list[Tensor],
     params: list[Tensor],
     grads: list[Tensor] | None,
+    offset: list[Tensor] | None,
     *,
     n: int,
     beta: float,
@@ -203,7 +208,8 @@ def additive_update(
     for i, (acc, m, g, spare, p) in enumerate(
         zip(accs, momenta, elements, spares, params, strict=True)
     ):
-        new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta)
+        c = 0.0 if offset is None else offset[i]
+        new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta, offset=c)
         moved = additive_move(g, new, lr)
         acc.copy_(new)
         spare.copy_(moved)
@@ -219,13 +225,14 @@ def additive(
     n: int,
     beta: float,
     lr: float,
+    offset: list[Tensor] | None,
     compile: bool,
 ) -> Proposal:
     """The additive rule's update of a param group from its accumulators (``n`` samples) or
-    the ``grads`` of its one deferred sample: eager, in place, or as one compiled kernel per
-    parameter into the spares."""
+    the ``grads`` of its one deferred sample, with a prior's ``offset`` of the algebra
+    gradient: eager, in place, or as one compiled kernel per parameter into the spares."""
     if not compile:
-        additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads)
+        additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads, offset=offset)
         return Proposal(t.accs, commit=partial(_additive_commit, t, lr=lr))
     rate = torch.tensor(lr, dtype=t.elements[0].dtype)  # a tensor: schedules do not recompile
     sums = compiled(additive_update)(
@@ -235,6 +242,7 @@ def additive(
         t.spares,
         t.params,
         grads,
+        offset,
         n=n,
         beta=beta,
         lr=rate,

@@ -20,11 +20,12 @@ import torch
 
 if TYPE_CHECKING:
     from .base import BLROptimizer
+    from .state import GroupStateOptimizer
 
 __all__ = ["inverse_scale", "record_finite", "scaler_step"]
 
 
-def inverse_scale(optimizer: BLROptimizer) -> float:
+def inverse_scale(optimizer: GroupStateOptimizer) -> float:
     """1 / the loss scale the gradients read now carry: that of a ``GradScaler.step``
     driving the step (1 once ``unscale_`` has taken it off), else that of the optimizer's
     enabled ``grad_scaler``, else 1."""

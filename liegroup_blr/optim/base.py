@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
+from ..posterior import Posterior
 from .amp import inverse_scale, record_finite, scaler_step
 from .checks import check_choice, check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
@@ -94,6 +95,7 @@ class BLROptimizer(SampleHolding):
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         max_consecutive_skips: int | None = None,
+        prior: Posterior | None = None,
     ) -> None:
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
@@ -125,6 +127,8 @@ class BLROptimizer(SampleHolding):
             broadcast_elements([s["element"] for s in self.state.values()], process_group)
             self.restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
+        if prior is not None:
+            self.set_prior(prior)
         if between_steps == "sample":
             self._draw_resident()
 
@@ -151,18 +155,15 @@ class BLROptimizer(SampleHolding):
         t: GroupTensors,
         n: int,
         sample: SampleGrads | None,
+        prior: list[Tensor] | None,
     ) -> Proposal | None:
         """The update from the accumulators (n samples) and the deferred ``sample`` (its
-        noise and gradients: not yet in them, and then the only one, ``n = 1``); ``None``
-        rejects the step."""
+        noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
+        prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
+        entropy's when the optimizer has a prior; ``None`` rejects the step."""
         raise NotImplementedError
 
     # --------------------------------------------------------- sample protocol
-    @property
-    def pending_samples(self) -> int:
-        """Samples accumulated since the last update."""
-        return self._engine.samples
-
     @torch.no_grad()
     def draw(self, train: bool = True) -> Sample:
         """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
@@ -244,14 +245,6 @@ class BLROptimizer(SampleHolding):
             engine.pending.update(dict.fromkeys(p for p, h in zip(t.params, has, strict=True) if h))
         engine.samples += 1
 
-    def _accumulate_deferred(self) -> None:
-        """Accumulate the deferred samples now."""
-        for index, group in enumerate(self.param_groups):
-            deferred = self._take_deferred(index)
-            if deferred is not None:
-                grads = deferred.gradients(inverse_scale(self), self._scratch)
-                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
-
     def _take_deferred(self, index: int) -> Deferred | None:
         """Param group ``index``'s deferred sample, removed from the pending step; checked."""
         deferred = self._engine.deferred.pop(index, None)
@@ -266,15 +259,6 @@ class BLROptimizer(SampleHolding):
                 "whose step() reads p.grad as it finds it"
             )
         return deferred
-
-    @torch.no_grad()
-    def discard(self) -> None:
-        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
-        point estimates again (between_steps="sample": a fresh sample); gradients left by
-        the abandoned samples are nobody's."""
-        self._end_step()
-        self._fresh_gradients()
-        self._between_steps()
 
     def _fresh_gradients(self) -> list[Tensor]:
         """The gradients of trained parameters made or changed since the engine last looked,
@@ -320,8 +304,8 @@ class BLROptimizer(SampleHolding):
         (the scaler backs off) and the loss scale is taken off the gradients.
         """
         engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("step() cannot be called inside sampled_params()")
+        if engine.holding:
+            raise RuntimeError(f"step() cannot be called inside {engine.holding}()")
         inv_scale, found_inf = scaler_step(self, closure)
         loss = None
         if closure is not None:
@@ -343,17 +327,23 @@ class BLROptimizer(SampleHolding):
         """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
         engine = self._engine
         fresh = self._fresh_gradients()
-        if fresh and bool(torch.stack([g.abs().amax() for g in fresh]).gt(0).any()):
+        made_outside = bool(fresh) and bool(
+            torch.stack([g.abs().amax() for g in fresh]).gt(0).any()
+        )
+        if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
             self._refuse_outside_gradients()
         losses = []
         try:
             for s in range(self.mc_samples):
+                rng = self.noise_source.state_dict() if engine.samples else None
                 sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
                 with torch.enable_grad():
                     value = closure()
-                if self._fresh_gradients():  # a closure that made none takes no sample
+                if self._fresh_gradients() or (s == 0 and made_outside):
                     self._accumulate_sample(sample, None, defer=True)
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
+                elif rng is not None:  # a closure that made no gradient takes no sample (a
+                    self.noise_source.load_state_dict(rng)  # do-nothing one after blocks)
         except BaseException:
             self.discard()
             raise
@@ -389,7 +379,8 @@ class BLROptimizer(SampleHolding):
                 sample = deferred.noise, grads  # the step's one sample
             elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
                 self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
-            proposal = self._propose(group, t, n, sample)
+            prior = None if engine.prior is None else engine.prior.gradients(self, group, t)
+            proposal = self._propose(group, t, n, sample, prior)
             if proposal is None:
                 break
             proposals.append(proposal)
@@ -418,19 +409,20 @@ class BLROptimizer(SampleHolding):
             self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
 
     def _skip(self) -> None:
-        """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
-        ``max_consecutive_skips`` in a row."""
+        """Count a skipped step; unless a GradScaler is calibrating its scale (a skip it
+        expects), warn and raise after ``max_consecutive_skips`` in a row."""
         engine = self._engine
         engine.skipped += 1
+        if "found_inf" in vars(self) or (self.grad_scaler and self.grad_scaler.is_enabled()):
+            return
         engine.consecutive += 1
         row = engine.consecutive
-        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
-            warnings.warn(
-                f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
-                f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        warnings.warn(
+            f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
+            f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         if self.max_consecutive_skips is not None and row >= self.max_consecutive_skips:
             raise FloatingPointError(
                 f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "

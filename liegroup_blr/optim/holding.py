@@ -5,21 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from .state import GroupStateOptimizer
+from .amp import inverse_scale
+from .prior import PriorHolding
 from .tensors import GroupTensors
 
 if TYPE_CHECKING:
-    from .tensors import Sample
+    from .tensors import Deferred, Sample
 
 __all__ = ["SampleHolding"]
 
 
-class SampleHolding(GroupStateOptimizer):
+class SampleHolding(PriorHolding):
     """The part of :class:`~liegroup_blr.optim.BLROptimizer` that decides what the parameters
     hold: :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`,
     :meth:`~liegroup_blr.optim.BLROptimizer.point_estimate`, and the training sample that
@@ -30,7 +31,29 @@ class SampleHolding(GroupStateOptimizer):
         def draw(self, train: bool = True) -> Sample: ...
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
-        def discard(self) -> None: ...
+        def _take_deferred(self, index: int) -> Deferred | None: ...
+        def _accumulate(
+            self,
+            group: dict[str, Any],
+            t: GroupTensors,
+            noise: list[Tensor],
+            grads: list[Tensor],
+            first: bool,
+        ) -> None: ...
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples accumulated since the last update."""
+        return self._engine.samples
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
+        point estimates again (between_steps="sample": a fresh sample); gradients left by
+        the abandoned samples are nobody's."""
+        self._end_step()
+        self._fresh_gradients()
+        self._between_steps()
 
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps: the point estimates, or
@@ -39,6 +62,13 @@ class SampleHolding(GroupStateOptimizer):
             self._draw_resident()
         else:
             self.restore()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``GroupStateOptimizer.add_param_group``; with ``between_steps="sample"`` every
+        trained parameter then holds a fresh sample (the new ones included)."""
+        super().add_param_group(param_group)
+        if self._engine.resident is not None:
+            self._draw_resident()
 
     def _draw_resident(self) -> None:
         """Draw the sample the parameters hold until the next step, keeping the noise
@@ -60,14 +90,14 @@ class SampleHolding(GroupStateOptimizer):
         ``train=True`` is refused there: the parameters already hold a training sample).
         """
         engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("sampled_params blocks cannot be nested")
+        if engine.holding:
+            raise RuntimeError(f"sampled_params() cannot be nested inside {engine.holding}()")
         if train and self.between_steps == "sample":
             raise RuntimeError(
                 "sampled_params(train=True) with between_steps='sample': the parameters "
                 "already hold a training sample; run forward and backward, then step()"
             )
-        engine.sampling = True
+        engine.holding = "sampled_params"
         try:
             with self._holding_resident():
                 sample = self.draw(train)
@@ -75,7 +105,7 @@ class SampleHolding(GroupStateOptimizer):
                 if train:
                     self.accumulate(sample, defer=True)
         finally:
-            engine.sampling = False
+            engine.holding = ""
             if not engine.samples:
                 engine.tensors.clear()  # parameters may be frozen before the next step
             if self.between_steps == "point":
@@ -84,11 +114,22 @@ class SampleHolding(GroupStateOptimizer):
     @contextmanager
     def point_estimate(self) -> Iterator[None]:
         """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in
-        the parameters for the block, whatever they hold between steps; on exit they hold
-        what they held before (with ``between_steps="sample"``, the training sample)."""
-        with self._holding_resident():
-            self.restore()
+        every parameter the optimizer has trained (frozen ones too) for the block, whatever
+        they hold between steps; on exit they hold what they held before (with
+        ``between_steps="sample"``, the training sample)."""
+        engine = self._engine
+        if engine.holding:
+            raise RuntimeError(f"point_estimate() cannot be nested inside {engine.holding}()")
+        params = [p for group in self.param_groups for p in group["params"] if p in self.state]
+        kept = [p.detach().clone() for p in params]
+        engine.holding = "point_estimate"
+        try:
+            self.restore(frozen=True)
             yield
+        finally:
+            engine.holding = ""
+            with torch.no_grad():
+                torch._foreach_copy_(params, kept)
 
     @contextmanager
     def _holding_resident(self) -> Iterator[None]:
@@ -147,3 +188,11 @@ class SampleHolding(GroupStateOptimizer):
             f"({where}, e.g. gradient accumulation over micro-batches, Lightning's "
             f"accumulate_grad_batches): they would be mixed into the samples; {fix}"
         )
+
+    def _accumulate_deferred(self) -> None:
+        """Accumulate the deferred samples now."""
+        for index, group in enumerate(self.param_groups):
+            deferred = self._take_deferred(index)
+            if deferred is not None:
+                grads = deferred.gradients(inverse_scale(self), self._scratch)
+                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)

@@ -40,6 +40,7 @@ class GroupStateOptimizer(Optimizer):
     point_convention: str
     between_steps: str
     compile: bool
+    grad_scaler: torch.amp.GradScaler | None
     noise_source: NoiseSource
     _engine: EngineState
     _scratch: Scratch
@@ -115,10 +116,11 @@ class GroupStateOptimizer(Optimizer):
         self.restore()
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Write the point estimate into every trained parameter."""
+    def restore(self, frozen: bool = False) -> None:
+        """Write the point estimate into every trained parameter (``frozen``: also into those
+        frozen since they were trained)."""
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.requires_grad and p in self.state]
+            params = [p for p in group["params"] if (frozen or p.requires_grad) and p in self.state]
             if params:
                 elements = [self.state[p]["element"] for p in params]
                 self._write_point(group, params, elements, self._point_mean(group))
@@ -208,7 +210,7 @@ class GroupStateOptimizer(Optimizer):
         parameters: they are left out (so the dict loads with ``torch.load(weights_only=True)``)
         and :meth:`load_state_dict` keeps those the optimizer was built with.
         """
-        if self._engine.sampling or self._engine.samples:
+        if self._engine.holding == "sampled_params" or self._engine.samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
@@ -223,6 +225,7 @@ class GroupStateOptimizer(Optimizer):
         noise = self._engine.resident_rng or self.noise_source.state_dict()  # before the
         sd["rng"], sd["seed"] = noise["rng"], noise["seed"]  # parameters' sample, if any
         sd["skipped_steps"] = self._engine.skipped
+        sd.update(self._extra_state())
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -239,7 +242,8 @@ class GroupStateOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        extras = {k: state_dict.pop(k) for k in ("rng", "seed", "skipped_steps") if k in state_dict}
+        keys = ("rng", "seed", "skipped_steps", *self._extra_state_keys)
+        extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
         for i, (saved_group, live) in enumerate(
             zip(state_dict["param_groups"], self.param_groups, strict=False)
         ):
@@ -276,6 +280,7 @@ class GroupStateOptimizer(Optimizer):
             {"seed": extras.get("seed", self.seed), "rng": extras.get("rng", {})}
         )
         self._engine.skipped = int(extras.get("skipped_steps", 0))
+        self._load_extra_state(extras)
         self._engine.end_step()  # a loaded state starts between steps
         self._scratch.clear()
         self.noise_source.end_step()
@@ -283,6 +288,16 @@ class GroupStateOptimizer(Optimizer):
         self._between_steps()  # the point estimate, or the saved sample drawn again
         for post_hook in post_hooks.values():
             post_hook(self)
+
+    _extra_state_keys: tuple[str, ...] = ()
+    """Top-level state-dict entries of a subclass (:meth:`_extra_state`)."""
+
+    def _extra_state(self) -> dict[str, Any]:
+        """A subclass's top-level state-dict entries."""
+        return {}
+
+    def _load_extra_state(self, extras: dict[str, Any]) -> None:
+        """Restore :meth:`_extra_state` (absent keys: a state dict saved without them)."""
 
     def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         """Fill in what param groups of older state dicts lack."""
