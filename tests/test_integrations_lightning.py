@@ -428,25 +428,12 @@ def plain_closure(net: nn.Module, optimizer: BLROptimizer, x: Tensor, y: Tensor)
     closure_loop(net, optimizer, [(x, y)])
 
 
-ENGINE_GAP = (
-    "engine: in sample mode, step(closure) whose closure makes no gradients (Lightning wraps "
-    "a do-nothing closure around manual optimization's step()) drops the gradients "
-    "manual_backward left at the resident sample and takes no update"
-)
-
-
 @pytest.mark.parametrize(
     ("manual", "plain", "between_steps", "mc_samples"),
     [
         (manual_closure, plain_closure, "point", 2),
         (manual_closure, plain_closure, "sample", 2),
-        pytest.param(
-            manual_sample,
-            plain_sample,
-            "sample",
-            1,
-            marks=pytest.mark.xfail(strict=True, reason=ENGINE_GAP),
-        ),
+        (manual_sample, plain_sample, "sample", 1),
         (manual_blocks, plain_blocks, "point", 1),
     ],
     ids=["closure-point", "closure-sample", "manual_backward-sample", "sampled_params-point"],

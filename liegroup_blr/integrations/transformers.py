@@ -107,17 +107,22 @@ class BLRTrainer(transformers.Trainer):
     def _posterior(self) -> list[BLROptimizer]:
         return blr_optimizers([self.optimizer])
 
+    def _evaluating(self) -> list[BLROptimizer]:
+        """The optimizers whose point estimate evaluation holds (none for the average,
+        which draws its samples itself)."""
+        return self._posterior() if self.evaluate_at == "point" else []
+
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)
         check_optimizer(optimizer)
         return optimizer
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        with point(self._posterior()):
+        with point(self._evaluating()):
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
-        with point(self._posterior()):
+        with point(self._evaluating()):
             return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
