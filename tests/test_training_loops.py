@@ -185,6 +185,26 @@ def test_sample_mode_new_param_group_and_frozen_parameter():
     assert torch.equal(model[0].weight, point)
 
 
+def test_after_restore_in_sample_mode_a_closure_free_step_refuses_and_a_closure_draws():
+    """restore() writes the point estimate: gradients computed there are nobody's sample."""
+    model, x, y = make_problem()
+    opt = lgb.AdditiveBLR(model.parameters(), lr=0.1, seed=0, between_steps="sample")
+    plain_step(opt, model, x, y)
+    opt.restore()
+    point = [p.detach().clone() for p in model.parameters()]
+    with opt.sampled_params():
+        pass
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), point, strict=True))
+    with pytest.raises(RuntimeError, match="after restore"):
+        plain_step(opt, model, x, y)
+    with pytest.raises(RuntimeError, match="at the point estimate"):  # those gradients
+        opt.step(closure_for(opt, model, x, y))
+    opt.zero_grad()
+    opt.step(closure_for(opt, model, x, y))  # draws a sample for its closure
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), point, strict=True))
+    plain_step(opt, model, x, y)  # and holds one again
+
+
 @pytest.mark.parametrize(
     ("options", "call", "words"),
     [

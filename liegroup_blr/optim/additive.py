@@ -67,7 +67,7 @@ class AdditiveBLR(BLROptimizer):
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
-    draws_in_update = True
+    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
 
     def __init__(
         self,

@@ -94,7 +94,7 @@ class AffineBLR(BLROptimizer):
 
     lie_group: DiagonalAffineGroup
 
-    draws_in_update = True
+    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
 
     def __init__(
         self,

@@ -70,8 +70,8 @@ class BLROptimizer(SampleHolding):
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
-    draws_in_update = False
-    """Whether the rule's compiled update can draw the next sample (``draw``)."""
+    draws_in_update: tuple[str, ...] = ()  # noise sources with which the compiled update
+    # draws the next sample (``draw``): where that saves passes over the state
     lie_group: LieGroup
 
     def __init__(
@@ -365,8 +365,10 @@ class BLROptimizer(SampleHolding):
             accs = [a for _, _, t in work for a in t.accs]
             n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
         drawn = dict(engine.tensors)
-        fused = self.draws_in_update and self.compile and self.between_steps == "sample"
-        fused = started = fused and n == 1 and len(work) == len(drawn)  # drawn by the update
+        fused = self.compile and self.noise_source.kind in self.draws_in_update
+        fused = started = (
+            fused and self.between_steps == "sample" and n == 1 and len(work) == len(drawn)
+        )
         if started:
             self._start_next_sample()
         proposals: list[Proposal] = []
@@ -376,14 +378,10 @@ class BLROptimizer(SampleHolding):
                 grads = deferred.raw
                 if deferred.decay is not None or inv_scale != 1.0:
                     grads = deferred.gradients(inv_scale, self._scratch)
-            if (
-                deferred is not None
-                and deferred.first
-                and (deferred.tensors is t or _same(deferred.tensors, t))
-            ):
-                sample = deferred.noise, grads  # the step's one sample
-            elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
-                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
+                if deferred.first and (deferred.tensors is t or _same(deferred.tensors, t)):
+                    sample = deferred.noise, grads  # the step's one sample
+                else:  # e.g. a parameter frozen between accumulate and step
+                    self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
             prior = None if engine.prior is None else engine.prior.gradients(self, group, t)
             fused = fused and sample is not None and t is drawn[index]
             if fused:

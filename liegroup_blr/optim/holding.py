@@ -145,8 +145,8 @@ class SampleHolding(PriorHolding):
             engine.holding = ""
             if not engine.samples:
                 engine.tensors.clear()  # parameters may be frozen before the next step
-            if self.between_steps == "point":
-                self.restore()
+            if self.between_steps == "point" or engine.resident is None:
+                self._write_points()
 
     @contextmanager
     def point_estimate(self) -> Iterator[None]:
@@ -161,7 +161,7 @@ class SampleHolding(PriorHolding):
         kept = [p.detach().clone() for p in params]
         engine.holding = "point_estimate"
         try:
-            self.restore(frozen=True)
+            self._write_points(frozen=True)
             yield
         finally:
             engine.holding = ""
@@ -206,18 +206,29 @@ class SampleHolding(PriorHolding):
                 f"step() without a closure takes one sample, the parameters' own, in "
                 f"between_steps='sample'; mc_samples={self.mc_samples} needs step(closure)"
             )
-        self.accumulate(self._engine.resident, defer=True)  # type: ignore[arg-type]
+        if self._engine.resident is None:
+            raise RuntimeError(
+                "step() without a closure after restore(): the parameters hold the point "
+                "estimate, not a training sample; hold it with `with optimizer.point_estimate():` "
+                "instead, or draw a sample again with optimizer.load_state_dict("
+                "optimizer.state_dict())"
+            )
+        self.accumulate(self._engine.resident, defer=True)
 
     def _refuse_outside_gradients(self) -> None:
         """Gradients were made outside ``step(closure)`` since the last update: at the point
         estimate, or, with several samples, only at the first."""
-        if self.between_steps == "sample" and self.mc_samples == 1:
+        at_point = self.between_steps == "point" or self._engine.resident is None  # restore()
+        if not at_point and self.mc_samples == 1:
             return  # the parameters' sample: the closure adds to it or starts it afresh
-        where = "at the point estimate" if self.between_steps == "point" else "at one sample"
+        where = "at the point estimate" if at_point else "at one sample"
         fix = (
             "construct the optimizer with between_steps='sample' and mc_samples=1"
             if self.between_steps == "point"
             else "set mc_samples=1"
+            if not at_point
+            else "zero the gradients before step(closure), or hold the point estimate with "
+            "`with optimizer.point_estimate():` instead of restore()"
         )
         self.discard()
         raise RuntimeError(

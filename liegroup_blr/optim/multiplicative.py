@@ -96,7 +96,7 @@ class MultiplicativeBLR(BLROptimizer):
 
     lie_group: MultiplicativeGroup
 
-    draws_in_update = True
+    draws_in_update = ("fresh", "table")  # w = g ⊙ ξ is written either way
 
     def __init__(
         self,

@@ -115,10 +115,18 @@ class GroupStateOptimizer(Optimizer):
         """Write what the parameters hold between steps (here: the point estimates)."""
         self.restore()
 
-    @torch.no_grad()
     def restore(self, frozen: bool = False) -> None:
         """Write the point estimate into every trained parameter (``frozen``: also into those
-        frozen since they were trained)."""
+        frozen since they were trained). With ``between_steps="sample"`` the parameters then
+        hold no training sample: the next ``step(closure)`` draws one, and a closure-free
+        ``step()`` refuses (its gradients would be the point estimate's)."""
+        self._write_points(frozen)
+        self._engine.resident = None
+
+    @torch.no_grad()
+    def _write_points(self, frozen: bool = False) -> None:
+        """Write the point estimates (as :meth:`restore`), keeping any training sample's
+        bookkeeping."""
         for group in self.param_groups:
             params = [p for p in group["params"] if (frozen or p.requires_grad) and p in self.state]
             if params:
