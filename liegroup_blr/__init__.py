@@ -10,9 +10,9 @@ the group's exponential map with reparameterised gradients. The optimizers are d
 
 from . import distributions, fisher, groups, mc, noise, optim
 from .mc import mc_step
+from .memory import MemoryMap, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
-from .sensitivity import MemoryMap, memory_map, sensitivity
 
 __all__ = [
     "AdditiveBLR",

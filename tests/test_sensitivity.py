@@ -23,8 +23,8 @@ from liegroup_blr.groups import (
     FullAffineGroup,
     MultiplicativeGroup,
 )
+from liegroup_blr.memory import memory_map, prediction_variance
 from liegroup_blr.posterior import Posterior, PosteriorEntry
-from liegroup_blr.sensitivity import memory_map, prediction_variance
 
 Z = 5.0
 F64 = torch.float64

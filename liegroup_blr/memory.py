@@ -38,7 +38,7 @@ from .posterior import Posterior, PosteriorEntry
 __all__ = ["METHODS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
 
 METHODS = ("auto", "jacobian", "samples")
-"""The estimates of the prediction variance: ``"jacobian"`` (:math:`\\operatorname{diag}
+"""Estimates of the prediction variance. ``"jacobian"`` (:math:`\\operatorname{diag}
 J\\Sigma J^\\top` at the posterior mean, for the additive, diagonal affine and multiplicative
 groups), ``"samples"`` (the sample variance of the logits, any group), ``"auto"`` (the
 Jacobian form for the additive and diagonal affine groups, else samples)."""
