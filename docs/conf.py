@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))  # the checkout, also when the package is not inst
 import liegroup_blr  # noqa: E402
 
 project = "liegroup_blr"
-author = "liegroup_blr contributors"
-copyright = "2023-2026, liegroup_blr contributors"
+author = "The liegroup_blr developers"
+copyright = "2026, The liegroup_blr developers"
 release = liegroup_blr.__version__
 version = release
 
@@ -25,6 +25,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # MathJax 3 from the package into _static/mathjax: no CDN
     "myst_parser",
 ]
 
@@ -57,6 +58,7 @@ napoleon_use_rtype = False
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|geoopt|numpy|np|abc|typing|collections|contextlib)(\..*)?"),
+    (r"py:.*", r"(lightning|transformers|accelerate)(\..*)?"),  # the integrations' extras
     (r"py:.*", r"(Tensor|Distribution|Optimizer|Generator|Module|Iterable|Iterator|Callable)"),
     (r"py:.*", r"(Sequence|Any|AbstractContextManager|Constraint)"),
     (r"py:.*", r"(liegroup_blr\.groups\.base\.)?Shape"),  # type aliases of signatures

@@ -82,6 +82,7 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
         "base": "rayleigh",
         "base_scale": 1.0,
         "init_offset": 1e-5,
+        "init": "auto",
         "signed": True,
     },
     "affine": {

@@ -174,7 +174,7 @@ def build_optimizer(
     if name == "additive":
         return lgb.AdditiveBLR(params, lr, **common)
     if name == "multiplicative":
-        extra = {"init_offset": cfg["init_offset"], "signed": cfg["signed"]}
+        extra = {"init_offset": cfg["init_offset"], "init": cfg["init"], "signed": cfg["signed"]}
         return lgb.MultiplicativeBLR(params, lr, **common, **extra)
     if name == "affine":
         extra = {"scale_momentum": cfg["scale_momentum"], "init_scale": cfg["init_scale"]}

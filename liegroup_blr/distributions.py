@@ -26,7 +26,7 @@ from torch.distributions import (
 )
 from torch.distributions.utils import broadcast_all
 
-__all__ = ["NAMES", "Dirac", "Rayleigh", "check_base", "from_name", "sample_into"]
+__all__ = ["NAMES", "Dirac", "Rayleigh", "check_base", "from_name", "sample_each", "sample_into"]
 
 _SampleShape = torch.Size | list[int] | tuple[int, ...]
 _SCALAR = torch.Size()
@@ -197,10 +197,6 @@ def check_base(base: Distribution, positive: bool, name: str = "base") -> Distri
     return base
 
 
-def _scalar(t: Tensor | float) -> float:
-    return float(t)
-
-
 def _work_dtype(out: Tensor) -> torch.dtype:
     return out.dtype if out.dtype in (torch.float32, torch.float64) else torch.float32
 
@@ -208,7 +204,17 @@ def _work_dtype(out: Tensor) -> torch.dtype:
 def sample_into(
     base: Distribution, out: Tensor, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Fill ``out`` in place with i.i.d. draws of the scalar distribution ``base``.
+    """Fill ``out`` in place with i.i.d. draws of the scalar distribution ``base``
+    (:func:`sample_each` of one tensor)."""
+    sample_each(base, [out], generator)
+    return out
+
+
+def sample_each(
+    base: Distribution, outs: list[Tensor], generator: torch.Generator | None = None
+) -> list[Tensor]:
+    """Fill each tensor of ``outs`` in place with i.i.d. draws of the scalar distribution
+    ``base``, one tensor after another from ``generator``.
 
     Common families use torch's in-place samplers with ``generator``, one kernel and no
     allocation (Rayleigh by its inverse CDF σ√(−2 log(1 − U)), far cheaper than
@@ -217,34 +223,57 @@ def sample_into(
     ``generator`` and then restored, so every draw is reproducible from ``generator``'s state.
     """
     if isinstance(base, Normal):
-        return out.normal_(_scalar(base.loc), _scalar(base.scale), generator=generator)
-    if isinstance(base, Rayleigh):  # σ√(−2 log(1 − U)), −U ~ U(eps − 1, −tiny): never 0 or inf
-        info = torch.finfo(out.dtype)
-        u = out.uniform_(info.eps - 1, -info.tiny, generator=generator).log1p_()
-        return u.mul_(-2 * _scalar(base.scale) ** 2).sqrt_()
-    if isinstance(base, Dirac):
-        return out.fill_(_scalar(base.value))
-    if isinstance(base, Uniform):
-        return out.uniform_(_scalar(base.low), _scalar(base.high), generator=generator)
-    if isinstance(base, Exponential):
-        return out.exponential_(_scalar(base.rate), generator=generator)
-    if isinstance(base, Cauchy):
-        return out.cauchy_(_scalar(base.loc), _scalar(base.scale), generator=generator)
-    if isinstance(base, LogNormal):
-        return out.log_normal_(_scalar(base.loc), _scalar(base.scale), generator=generator)
-    if isinstance(base, Laplace):  # loc − scale·sign(u)·log(1 − |u|), u ~ U(eps − 1, 1)
-        u = out.uniform_(torch.finfo(out.dtype).eps - 1, 1, generator=generator)
-        sign = u.sign()
-        u.abs_().neg_().log1p_().mul_(sign)
-        return u.mul_(-_scalar(base.scale)).add_(_scalar(base.loc))
+        loc, scale = float(base.loc), float(base.scale)
+        for out in outs:
+            out.normal_(loc, scale, generator=generator)
+    elif isinstance(base, Rayleigh):  # σ√(−2 log(1 − U)), −U ~ U(eps − 1, −tiny): never 0, inf
+        factor = -2 * float(base.scale) ** 2
+        for out in outs:
+            info = torch.finfo(out.dtype)
+            out.uniform_(info.eps - 1, -info.tiny, generator=generator).log1p_()
+            out.mul_(factor).sqrt_()
+    elif isinstance(base, Dirac):
+        for out in outs:
+            out.fill_(float(base.value))
+    elif isinstance(base, Uniform):
+        low, high = float(base.low), float(base.high)
+        for out in outs:
+            out.uniform_(low, high, generator=generator)
+    elif isinstance(base, Exponential):
+        for out in outs:
+            out.exponential_(float(base.rate), generator=generator)
+    elif isinstance(base, Cauchy):
+        loc, scale = float(base.loc), float(base.scale)
+        for out in outs:
+            out.cauchy_(loc, scale, generator=generator)
+    elif isinstance(base, LogNormal):
+        loc, scale = float(base.loc), float(base.scale)
+        for out in outs:
+            out.log_normal_(loc, scale, generator=generator)
+    elif isinstance(base, Laplace):  # loc − scale·sign(u)·log(1 − |u|), u ~ U(eps − 1, 1)
+        loc, scale = float(base.loc), float(base.scale)
+        for out in outs:
+            u = out.uniform_(torch.finfo(out.dtype).eps - 1, 1, generator=generator)
+            sign = u.sign()
+            u.abs_().neg_().log1p_().mul_(sign)
+            u.mul_(-scale).add_(loc)
+    else:
+        for out in outs:
+            _sample_other(base, out, generator)
+    return outs
+
+
+def _sample_other(base: Distribution, out: Tensor, generator: torch.Generator | None) -> None:
+    """A family without an in-place sampler: by its ``icdf``, else by its own ``sample``."""
     dtype = _work_dtype(out)
     try:
         u = torch.empty(out.shape, dtype=dtype, device=out.device)
         u.uniform_(torch.finfo(dtype).tiny, 1.0, generator=generator)
-        return out.copy_(base.icdf(u))
+        out.copy_(base.icdf(u))
+        return
     except NotImplementedError:
         pass
     seed = int(torch.randint(0, 2**62, (), generator=generator, device=out.device).item())
     with torch.random.fork_rng(devices=[]):  # CPU state only: seed just the CPU generator
         torch.default_generator.manual_seed(seed)
-        return out.copy_(base.sample(out.shape))
+        out.copy_(base.sample(out.shape))

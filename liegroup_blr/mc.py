@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from .optim import BLROptimizer
+from .optim import BLROptimizer, unwrap
 
 __all__ = ["default_chunk_size", "mc_step"]
 
@@ -59,7 +60,7 @@ def _slices(inputs: Tensor, targets: Tensor, batch_split: int) -> tuple[Tensor, 
 
 
 def mc_step(
-    optimizer: BLROptimizer,
+    optimizer: Any,
     model: nn.Module,
     loss_fn: LossFn,
     inputs: Tensor,
@@ -75,7 +76,8 @@ def mc_step(
               \nabla_X\, \ell\big(\theta_j(X); \text{slice}_{j \bmod k}\big)\big|_{X=0}
 
     Args:
-        optimizer: a Lie-group optimizer over ``model``'s parameters.
+        optimizer: a Lie-group optimizer over ``model``'s parameters (or a wrapper of one,
+            e.g. Lightning's or accelerate's: :func:`~liegroup_blr.optim.unwrap`).
         model: the network; ``loss_fn(model(x), y)`` is the minibatch loss ℓ̄.
         loss_fn: e.g. ``torch.nn.functional.cross_entropy``.
         inputs, targets: the minibatch.
@@ -88,6 +90,13 @@ def mc_step(
         the mean loss over samples. A non-finite algebra gradient (a NaN or infinite loss
         gives one) skips the update, as :meth:`~liegroup_blr.optim.BLROptimizer.step` does.
     """
+    blr = unwrap(optimizer)
+    if blr is None:
+        raise TypeError(
+            f"optimizer: mc_step needs a liegroup_blr optimizer (or a wrapper holding one as "
+            f".optimizer), got {type(optimizer).__name__}"
+        )
+    optimizer = blr
     if optimizer.pending_samples:
         raise RuntimeError("mc_step() needs an optimizer with no samples pending")
     xs, ys = _slices(inputs, targets, batch_split)

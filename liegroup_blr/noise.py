@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Cauchy, Distribution, Laplace, Normal, StudentT, Uniform
 
-from .distributions import Dirac, sample_into
+from .distributions import Dirac, sample_each, sample_into
 
 __all__ = ["NOISE_SOURCES", "NoiseSource", "NoiseTable", "symmetric_centre"]
 
@@ -178,6 +178,10 @@ class NoiseSource:
                 self.table(base, index, out, largest).window(out.numel(), offset).view(out.shape)
                 for out, offset in zip(outs, offsets.tolist(), strict=True)
             ]
+        elif len(devices := {out.device for out in outs}) == 1:
+            device = devices.pop()
+            gen = self._generators.get(device) or self.generator(device)
+            xis = sample_each(base, outs, gen)
         else:
             xis = [sample_into(base, out, self.generator(out.device)) for out in outs]
         if self._keep:

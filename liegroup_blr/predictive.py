@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from functools import partial
 
 import torch
 from torch import Tensor, nn
+
+from .posterior import Posterior
 
 __all__ = [
     "accuracy",
@@ -44,8 +47,10 @@ def predictive_log_probs(
 ) -> Tensor:
     """Log predictive probabilities of ``model`` on every batch of ``inputs``.
 
-    With an optimizer that has ``sampled_params()`` (the Lie-group BLR optimizers), this
-    is the Bayesian model average of ``samples`` posterior samples θ_s = g·ξ_s,
+    With an optimizer that has ``sampled_params()`` (the Lie-group BLR optimizers, also
+    inside a wrapper that holds one as ``.optimizer``, such as accelerate's
+    ``AcceleratedOptimizer``) or a :class:`~liegroup_blr.Posterior`, this is the Bayesian
+    model average of ``samples`` posterior samples θ_s = g·ξ_s,
     p(y|x) ≈ (1/S) Σ_s p(y|x, θ_s); each sample is one network used for all batches, so
     ``inputs`` must be re-iterable (a list, or a loader). Without one (``None`` or a
     deterministic optimizer such as SGD), it is the prediction at the current parameters.
@@ -53,9 +58,7 @@ def predictive_log_probs(
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    sampler: Callable[[], AbstractContextManager[object]] | None = getattr(
-        optimizer, "sampled_params", None
-    )
+    sampler = _sampler(model, optimizer)
     was_training = model.training
     model.eval()
     try:
@@ -70,6 +73,20 @@ def predictive_log_probs(
         return total - math.log(samples)
     finally:
         model.train(was_training)
+
+
+def _sampler(
+    model: nn.Module, source: object | None
+) -> Callable[[], AbstractContextManager[object]] | None:
+    """What draws a posterior sample into ``model``: a Posterior's ``sampled``, or the
+    ``sampled_params`` of an optimizer or of the optimizer a wrapper holds as ``.optimizer``."""
+    if isinstance(source, Posterior):
+        return partial(source.sampled, model)
+    for _ in range(8):  # wrappers of wrappers (accelerate, Lightning)
+        if source is None or hasattr(source, "sampled_params"):
+            break
+        source = getattr(source, "optimizer", None)
+    return getattr(source, "sampled_params", None)
 
 
 def _check(log_probs: Tensor, labels: Tensor) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -13,29 +14,34 @@ from torch import nn
 import liegroup_blr as lgb
 from liegroup_blr.fisher import algebra_gradient
 from liegroup_blr.groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
+from liegroup_blr.groups.affine import exprel
 from liegroup_blr.optim.additive import (
     additive_accumulate,
-    additive_commit,
     additive_draw,
-    momentum_propose,
+    additive_momentum_,
+    additive_move_,
+    additive_readout_,
+    additive_update,
 )
 from liegroup_blr.optim.affine import (
     affine_accumulate,
-    affine_commit_,
     affine_draw,
+    affine_momentum_,
     affine_move,
-    affine_propose,
+    affine_move_,
+    affine_readout_,
     affine_update,
 )
-from liegroup_blr.optim.kernels import all_finite, parts
+from liegroup_blr.optim.kernel_utils import rows as parts
 from liegroup_blr.optim.multiplicative import (
     multiplicative_accumulate,
-    multiplicative_commit_,
     multiplicative_draw,
-    multiplicative_noise,
-    multiplicative_propose,
+    multiplicative_momentum_,
+    multiplicative_move_,
+    multiplicative_readout_,
     multiplicative_update,
 )
+from liegroup_blr.optim.tensors import all_finite
 
 from .test_optim import DTYPE, FACTORIES, closure_for, make_problem, snapshot
 
@@ -54,17 +60,18 @@ def test_additive_kernels_follow_the_group():
     additive_draw([m], [xi], [p])
     torch.testing.assert_close(p, G.readout(G.act(m, xi)))
     acc = torch.empty(SHAPE, dtype=DTYPE)
-    additive_accumulate([acc], [grad], True)
-    additive_accumulate([acc], [2 * grad], False)
+    additive_accumulate([acc], [grad], first=True)
+    additive_accumulate([acc], [2 * grad], first=False)
     X = algebra_gradient(G, m, xi, grad) + algebra_gradient(G, m, xi, 2 * grad)
-    momentum_propose([acc], [mom], 2, 0.7)
+    additive_momentum_([acc], [mom], n=2, beta=0.7)
     new_mom = torch.lerp(X / 2, mom, 0.7)
     torch.testing.assert_close(acc, new_mom)
     deferred = torch.empty_like(acc)  # one sample, accumulated by the proposal itself
-    momentum_propose([deferred], [mom], 1, 0.7, [grad])
+    additive_momentum_([deferred], [mom], n=1, beta=0.7, grads=[grad])
     torch.testing.assert_close(deferred, torch.lerp(algebra_gradient(G, m, xi, grad), mom, 0.7))
     moved = m.clone()
-    additive_commit([moved], [acc], [p], 0.3, None)
+    additive_move_([moved], [acc], lr=0.3)
+    additive_readout_([p], [moved], mean=None)
     torch.testing.assert_close(moved, G.step(m, -0.3 * new_mom))
     torch.testing.assert_close(p, G.point_estimate(moved))
 
@@ -84,28 +91,34 @@ def test_multiplicative_kernels_follow_the_group(n):
     X = torch.zeros_like(g)
     for s, (xi, grad) in enumerate(zip(xis, grads, strict=True)):
         w = torch.empty_like(xi)
-        multiplicative_draw([g], [xi], [p], True, [w])  # with the signed noise w kept (eager)
+        multiplicative_draw([g], [xi], [p], [w], signed=True)  # keeps the products w = g ⊙ ξ
         torch.testing.assert_close(p, G.readout(G.act(g, xi)))
-        multiplicative_draw([g], [xi], [q], True)  # from ξ alone (compiled)
+        torch.testing.assert_close(w, g * xi)
+        buf = xi.clone()  # fresh noise: the products overwrite ξ in its own buffer
+        multiplicative_draw([g], [buf], [q], [buf], signed=True)
         torch.testing.assert_close(q, p)
-        multiplicative_accumulate([acc], [w], [grad], s == 0)
+        torch.testing.assert_close(buf, w)
+        multiplicative_accumulate([acc], [w], [grad], first=s == 0, signed=True)
         X += algebra_gradient(G, g, xi, grad)
     beta, shift, lr = 0.8, 0.05, 0.4
-    multiplicative_propose([acc], [mom], n, beta, shift)
+    multiplicative_momentum_([acc], [mom], n=n, beta=beta, offset=-shift, signed=True)
     new_mom = torch.lerp(X / n - shift, mom, beta)  # X̂ = algebra gradient − (τ/N)∇log|det|
     torch.testing.assert_close(acc, new_mom)
     if n == 1:  # the sample accumulated by the proposal itself
         deferred = torch.empty_like(g)
-        multiplicative_propose([deferred], [mom], n, beta, shift, ([w], [grads[0]]))
+        multiplicative_momentum_(
+            [deferred], [mom], n=n, beta=beta, offset=-shift, signed=True, sample=([w], [grads[0]])
+        )
         torch.testing.assert_close(deferred, new_mom)
     moved = g.clone()
-    multiplicative_commit_([moved], [acc], [torch.empty_like(g)], [p], lr, True, None)
+    multiplicative_move_([moved], [acc], [torch.empty_like(g)], lr=lr)
+    multiplicative_readout_([p], [moved], mean=None, signed=True)
     torch.testing.assert_close(moved, G.step(g, -lr * new_mom))
     torch.testing.assert_close(p, G.point_estimate(moved))
 
 
-@pytest.mark.parametrize("keep_w", [True, False])
-def test_multiplicative_draw_rounds_a_half_precision_theta_once(keep_w):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_multiplicative_draw_rounds_a_half_precision_theta_once(in_place):
     """θ = g⁺ξ⁺ − g⁻ξ⁻ into bfloat16 parameters (float32 state) is the difference rounded
     once: near-cancelling parts rounded first would lose θ."""
     gen = torch.Generator().manual_seed(6)
@@ -113,9 +126,9 @@ def test_multiplicative_draw_rounds_a_half_precision_theta_once(keep_w):
     xi = torch.rand(2, 64, generator=gen) + 0.5
     xi[1] = (g[0] * xi[0] - 1e-3 * (0.5 + torch.rand(64, generator=gen))) / g[1]  # θ ≈ 1e-3
     p = torch.empty(64, dtype=torch.bfloat16)
-    noise = [torch.empty_like(g)] if keep_w else None
-    multiplicative_draw([g], [xi], [p], True, noise)
     theta = g[0].double() * xi[0] - g[1].double() * xi[1]
+    noise = xi if in_place else torch.empty_like(g)
+    multiplicative_draw([g], [xi], [p], [noise], signed=True)
     torch.testing.assert_close(p.double(), theta, rtol=2**-8, atol=0)  # bf16: 8 bits
 
 
@@ -131,21 +144,23 @@ def test_affine_kernels_follow_the_group(zero_scale_momentum):
     for s, (xi, grad) in enumerate(zip(xis, grads, strict=True)):
         affine_draw([g], [xi], [p])
         torch.testing.assert_close(p, G.readout(G.act(g, xi)))
-        affine_accumulate([acc], [xi], [grad], s == 0)
+        affine_accumulate([acc], [xi], [grad], first=s == 0)
     X = [algebra_gradient(G, g, xi, grad) for xi, grad in zip(xis, grads, strict=True)]
     betas = torch.tensor([0.9, 0.6], dtype=DTYPE).view(2, 1, 1)
     shift = torch.tensor([0.02, 0.0], dtype=DTYPE).view(2, 1, 1)  # (τ/N)∇log|det| = (τ/N, 0)
-    affine_propose([acc], [mom], [g], 2, (0.9, 0.6), 0.02)
+    affine_momentum_([acc], [mom], [g], n=2, betas=(0.9, 0.6), offset=-0.02)
     torch.testing.assert_close(acc, torch.lerp((X[0] + X[1]) / 2 - shift, mom, betas))
     deferred = torch.empty_like(g)  # one sample, accumulated by the proposal itself
-    affine_propose([deferred], [mom], [g], 1, (0.9, 0.6), 0.02, ([xis[0]], [grads[0]]))
+    sample = ([xis[0]], [grads[0]])
+    affine_momentum_([deferred], [mom], [g], n=1, betas=(0.9, 0.6), offset=-0.02, sample=sample)
     new_mom = torch.lerp(X[0] - shift, mom, betas)
     torch.testing.assert_close(deferred, new_mom)
     acc = new_mom
     if zero_scale_momentum:
         acc[0] = 0.0
     moved = g.clone()
-    affine_commit_([moved], [acc], [torch.empty_like(g)], [p], 0.3, 0.3, None)
+    affine_move_([moved], [acc], [torch.empty_like(g)], lr=0.3, scale_lr=0.3)
+    affine_readout_([p], [moved], mean=None)
     torch.testing.assert_close(moved, G.step(g, -0.3 * acc), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(p, moved[1])
     functional = torch.stack(affine_move(parts([g])[0], *acc, 0.3, 0.3))
@@ -167,7 +182,8 @@ def test_affine_commit_with_two_step_sizes_is_the_documented_update(functional, 
     if functional:
         g = torch.stack(affine_move(parts([g])[0], *mom.to(dtype), a1, a2))
     else:
-        affine_commit_([g], [mom.to(dtype)], [torch.empty_like(g)], [p], a1, a2, None)
+        affine_move_([g], [mom.to(dtype)], [torch.empty_like(g)], lr=a1, scale_lr=a2)
+        affine_readout_([p], [g], mean=None)
         torch.testing.assert_close(p, g[1])
     u, v = mom
     phi = torch.where(u == 0, 1.0, torch.expm1(-a1 * u) / (-a1 * u))
@@ -176,61 +192,113 @@ def test_affine_commit_with_two_step_sizes_is_the_documented_update(functional, 
 
 
 def _update_inputs(kind, n, gen):
-    """Element, momentum, accumulator (n samples) and a deferred sample of one parameter."""
-    g = _randn(2, *SHAPE, gen=gen).abs() + 0.2
+    """Element, momentum, accumulator (n samples) and a deferred sample of one parameter:
+    (its noise as the rule keeps it, its gradient)."""
+    stacked = kind != "additive"
+    lead = (2,) if stacked else ()
+    g = _randn(*lead, *SHAPE, gen=gen).abs() + 0.2
     if kind == "affine":
         g[1] = _randn(*SHAPE, gen=gen)
-    mom, acc = 0.1 * _randn(2, *SHAPE, gen=gen), n * _randn(2, *SHAPE, gen=gen)
+    mom, acc = 0.1 * _randn(*lead, *SHAPE, gen=gen), n * _randn(*lead, *SHAPE, gen=gen)
     noise, grad = _randn(*SHAPE, gen=gen), _randn(*SHAPE, gen=gen)
     if kind == "multiplicative":
-        noise = _randn(2, *SHAPE, gen=gen).abs()  # (ξ⁺, ξ⁻)
+        noise = g * _randn(2, *SHAPE, gen=gen).abs()  # the products w = g ⊙ ξ
     return g, mom, acc, noise, grad
 
 
-@pytest.mark.parametrize("kind", ["multiplicative", "affine"])
+def _eager_update(kind, g, mom, acc, p, sample, hp):
+    """The eager kernels of a step: the new momentum into ``acc``, then the move of ``g``
+    and the readout into ``p``, all in place."""
+    if kind == "additive":
+        grads = None if sample is None else sample[1]
+        additive_momentum_([acc], [mom], n=hp["n"], beta=hp["beta"], grads=grads)
+        additive_move_([g], [acc], lr=hp["lr"])
+        additive_readout_([p], [g], mean=hp["mean"])
+    elif kind == "multiplicative":
+        multiplicative_momentum_(
+            [acc],
+            [mom],
+            n=hp["n"],
+            beta=hp["beta"],
+            offset=-hp["shift"],
+            signed=True,
+            sample=sample,
+        )
+        multiplicative_move_([g], [acc], [torch.empty_like(g)], lr=hp["lr"])
+        multiplicative_readout_([p], [g], mean=hp["mean"], signed=True)
+    else:
+        betas = (0.9, hp["beta"])
+        affine_momentum_(
+            [acc], [mom], [g], n=hp["n"], betas=betas, offset=-hp["shift"], sample=sample
+        )
+        affine_move_([g], [acc], [torch.empty_like(g)], lr=hp["lr"], scale_lr=hp["scale_lr"])
+        affine_readout_([p], [g], mean=hp["mean"])
+
+
+def _functional_update(kind, g, mom, acc, spare, p, sample, hp):
+    """The formulas a compiled step runs (here uncompiled); returns the momenta's sums."""
+    common = dict(n=hp["n"], lr=torch.tensor(hp["lr"], dtype=DTYPE), mean=hp["mean"])
+    if kind == "additive":
+        grads = None if sample is None else sample[1]
+        return additive_update(
+            [acc], [mom], [g], [spare], [p], grads, None, [], beta=hp["beta"], **common
+        )
+    tensors = (parts([t]) for t in (acc, mom, g, spare))
+    if kind == "multiplicative":
+        rows = None if sample is None else (parts(sample[0]), sample[1])
+        return multiplicative_update(
+            *tensors, [p], rows, -hp["shift"], [], beta=hp["beta"], **common
+        )
+    return affine_update(
+        *tensors,
+        [p],
+        sample,
+        -hp["shift"],
+        [],
+        betas=(0.9, hp["beta"]),
+        scale_lr=torch.tensor(hp["scale_lr"], dtype=DTYPE),
+        **common,
+    )
+
+
+@pytest.mark.parametrize("kind", ["additive", "multiplicative", "affine"])
 @pytest.mark.parametrize("n, deferred", [(1, False), (3, False), (1, True)])
 @pytest.mark.parametrize("mean", [None, 1.3])
 def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean):
     """``*_update`` (what compile=True runs, here uncompiled) writes the momentum, the moved
-    element (into ``out``, the element left as it was) and θ as the eager propose + commit,
-    and returns the momentum's sums."""
+    element (into a spare, the element left as it was) and θ as the eager kernels do in
+    place, and returns the momentum's sums."""
     g, mom, acc, noise, grad = _update_inputs(kind, n, torch.Generator().manual_seed(5))
-    lr, scale_lr, beta, shift = 0.3, 0.05, 0.8, 0.02
-    if kind == "multiplicative":  # eager steps keep w = (g⁺ξ⁺, −g⁻ξ⁻), compiled ones ξ
-        w = torch.empty_like(noise)
-        multiplicative_noise([g], [noise], [w], True)
-        sample = ([w], [grad]) if deferred else None
-        rows = (parts([noise]), [grad]) if deferred else None
-        eager_propose = lambda a: multiplicative_propose([a], [mom], n, beta, shift, sample)  # noqa: E731
-        eager_commit = lambda e, a, p: multiplicative_commit_(  # noqa: E731
-            [e], [a], [torch.empty_like(a)], [p], lr, True, mean
-        )
-        update = lambda a, out, p: multiplicative_update(  # noqa: E731
-            *(parts([t]) for t in (a, mom, g, out)), [p], (n, beta, shift, lr, mean), rows
-        )
-    else:
-        sample = ([noise], [grad]) if deferred else None
-        betas = (0.9, beta)
-        eager_propose = lambda a: affine_propose([a], [mom], [g], n, betas, shift, sample)  # noqa: E731
-        eager_commit = lambda e, a, p: affine_commit_(  # noqa: E731
-            [e], [a], [torch.empty_like(a)], [p], lr, scale_lr, mean
-        )
-        update = lambda a, out, p: affine_update(  # noqa: E731
-            *(parts([t]) for t in (a, mom, g, out)),
-            [p],
-            (n, betas, shift, lr, scale_lr, mean),
-            sample,
-        )
+    hp = dict(n=n, lr=0.3, scale_lr=0.05, beta=0.8, shift=0.02, mean=mean)
+    sample = ([noise], [grad]) if deferred else None
     eager_acc, eager_g, eager_p = acc.clone(), g.clone(), torch.empty(SHAPE, dtype=DTYPE)
-    eager_propose(eager_acc)
-    eager_commit(eager_g, eager_acc, eager_p)
-    before, out, p = g.clone(), torch.empty_like(g), torch.empty(SHAPE, dtype=DTYPE)
-    (total,) = update(acc, out, p)
+    _eager_update(kind, eager_g, mom, eager_acc, eager_p, sample, hp)
+    before, spare, p = g.clone(), torch.empty_like(g), torch.empty(SHAPE, dtype=DTYPE)
+    (total,) = _functional_update(kind, g, mom, acc, spare, p, sample, hp)
     torch.testing.assert_close(acc, eager_acc)
-    torch.testing.assert_close(out, eager_g)
+    torch.testing.assert_close(spare, eager_g)
     torch.testing.assert_close(p, eager_p)
     torch.testing.assert_close(total, acc.sum())
     assert torch.equal(g, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_affine_phi_in_place_is_the_twin_of_the_group_exprel(dtype):
+    """The eager move computes φ(x) = expm1(x)/x in place; the compiled one uses the group's
+    exprel (a Taylor series near 0). Both agree at 0, near 0, far from it and where eˣ
+    overflows (φ clamped to the dtype's max)."""
+    info = torch.finfo(dtype)
+    x = torch.tensor([0.0, -0.0, 1e-12, -1e-9, 1e-5, -3e-4, 0.5, -2.0, 30.0, -200.0], dtype=dtype)
+    u = torch.cat((x, torch.tensor([2 * math.log(info.max)], dtype=dtype)))
+    lr = 1.0
+    A, b = torch.ones_like(u), torch.zeros_like(u)
+    g, mom = torch.stack((A, b)), torch.stack((-u / lr, torch.ones_like(u)))  # x = −α₁ M_U = u
+    affine_move_([g], [mom], [torch.empty_like(g)], lr=lr, scale_lr=1e-30)
+    in_place = -g[1] / lr  # b − α₁ A M_V φ = −φ
+    functional = -affine_move(parts([torch.stack((A, b))])[0], mom[0], mom[1], lr, 1e-30)[1] / lr
+    assert torch.isfinite(in_place).all() and in_place[-1] == info.max
+    torch.testing.assert_close(in_place, functional, rtol=4 * info.eps, atol=0)
+    torch.testing.assert_close(in_place[:-1], exprel(u[:-1]), rtol=4 * info.eps, atol=0)
 
 
 def test_no_private_optimizer_access_outside_the_optimizer_package():

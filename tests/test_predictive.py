@@ -141,3 +141,58 @@ def test_model_average_nll_stays_finite_when_probabilities_underflow() -> None:
     log_p = predictive.predictive_log_probs(model, [torch.zeros(1, 1)], opt, samples=2)
     # log p(y=1) = log((e^-1000 + e^-2000)/2) ≈ −1000 − log 2
     assert predictive.nll(log_p, torch.tensor([1])) == pytest.approx(1000 + math.log(2))
+
+
+# ---------------------------------------------------- optimizers inside wrappers
+def _trained_affine() -> tuple[nn.Module, object]:
+    import liegroup_blr as lgb
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.1, data_size=50, seed=3)
+    x, y = torch.randn(16, 3), torch.randint(0, 2, (16,))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return model, opt
+
+
+class _Holder:
+    """A wrapper that holds the optimizer as ``.optimizer`` and has no ``sampled_params``
+    (as Lightning's LightningOptimizer and accelerate's AcceleratedOptimizer do)."""
+
+    def __init__(self, optimizer: object) -> None:
+        self.optimizer = optimizer
+
+
+def _average_through(model: nn.Module, opt, wrapper: object) -> None:
+    """The wrapper's model average is the optimizer's, from the same noise, not the point."""
+    inputs = [torch.randn(5, 3, generator=torch.Generator().manual_seed(1))]
+    state = opt.state_dict()
+    expected = predictive.predictive_log_probs(model, inputs, opt, samples=3)
+    opt.load_state_dict(state)  # the same noise again
+    got = predictive.predictive_log_probs(model, inputs, wrapper, samples=3)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, predictive.predictive_log_probs(model, inputs, None))
+
+
+def test_a_wrapper_holding_the_optimizer_is_unwrapped() -> None:
+    model, opt = _trained_affine()
+    _average_through(model, opt, _Holder(_Holder(opt)))
+    sgd = _Holder(torch.optim.SGD(model.parameters(), lr=1.0))  # no posterior: the point
+    inputs = [torch.zeros(2, 3)]
+    point = predictive.predictive_log_probs(model, inputs, sgd)
+    assert torch.equal(point, predictive.predictive_log_probs(model, inputs, None))
+
+
+def test_accelerates_optimizer_wrapper_is_unwrapped() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    model, opt = _trained_affine()
+    prepared, wrapped = accelerate.Accelerator(cpu=True).prepare(model, opt)
+    assert not hasattr(wrapped, "sampled_params") and wrapped.optimizer is opt
+    _average_through(prepared, opt, wrapped)

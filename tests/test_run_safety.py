@@ -389,26 +389,46 @@ def test_bad_config_is_one_line_and_writes_nothing(
     assert not run_files(tmp_path / "run")
 
 
+def _overflowing_logits(run: train.Run) -> None:
+    """Finite parameters whose logits overflow: the last layer's bias ±3e38 gives one class
+    −∞ log-probability, so every test example of that class has an infinite NLL."""
+    last = [m for m in run.model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.copy_(torch.tensor([3e38, -3e38, 0.0]))
+
+
 @pytest.mark.parametrize(
-    ("noise", "prior_precision", "words"),
+    ("lr", "prior_precision", "poison", "words"),
     [
-        (1.0, 3200.0, "non-finite parameters after the update of step 1"),  # decay 100·θ
-        (100.0, 0.0, "non-finite test metrics ['test_nll']"),  # finite θ, overflowing logits
+        (1e38, 3200.0, None, "non-finite parameters after the update of step 1"),  # decay 100·θ
+        (0.05, 0.0, _overflowing_logits, "non-finite test metrics ['test_nll']"),
     ],
 )
 def test_divergence_in_the_last_update_is_reported_not_saved(
-    noise: float,
+    lr: float,
     prior_precision: float,
+    poison: Any,
     words: str,
     tmp_path: Path,
     capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # one step, one epoch: its loss is finite, what the update leaves is not
     cfg = tiny(
-        data={"batch_size": 32, "noise": noise},
-        optimizer={"name": "sgd", "lr": 1e38, "momentum": 0.0, "prior_precision": prior_precision},
+        data={"batch_size": 32},
+        optimizer={"name": "sgd", "lr": lr, "momentum": 0.0, "prior_precision": prior_precision},
         schedule={"epochs": 1},
     )
+    if poison is not None:  # finite θ after the update, overflowing logits
+        real = train.train_epoch
+
+        def poisoned(run: train.Run, epoch: int) -> float:
+            loss = real(run, epoch)
+            poison(run)
+            return loss
+
+        monkeypatch.setattr(train, "train_epoch", poisoned)
     out = tmp_path / "run"
     assert train.main([str(write_config(tmp_path / "cfg.json", cfg)), "--out", str(out)]) == 2
     line = one_error_line(capsys)

@@ -919,14 +919,21 @@ def test_autocast_with_grad_scaler_trains(kind, recipe):
     assert model.weight.dtype == torch.float32 and opt.skipped_steps == 0
 
 
-def test_grad_scaler_step_without_grad_scaler_argument_raises():
+def test_grad_scaler_step_with_several_samples_needs_the_grad_scaler_argument():
+    """Two sampled_params blocks, then scaler.step(opt) without grad_scaler=: an inf in the
+    first sample would never reach scaler.update(), so the step is refused, naming the fix;
+    the pending samples are discarded."""
     model, opt = setup("additive")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
-    with opt.sampled_params(train=True):
-        opt.zero_grad()
-        scaler.scale(model()).backward()
-    with pytest.raises(RuntimeError, match="grad_scaler"):
+    before = snapshot(opt, model)
+    for _ in range(2):
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            scaler.scale(model()).backward()
+    with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
         scaler.step(opt)
+    assert opt.pending_samples == 0
+    assert_equal(snapshot(opt, model), before)
 
 
 # ------------------------------------------------------- skips, multiplicative init

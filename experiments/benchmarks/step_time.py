@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 import liegroup_blr as lgb
 from experiments.models import CNN, MLP
-from liegroup_blr.optim.kernels import compiled, parts
+from liegroup_blr.optim.kernel_utils import compiled, rows
 from liegroup_blr.optim.multiplicative import multiplicative_update
 
 BATCH = 50
@@ -186,14 +186,16 @@ def _floors(params: list[Tensor]) -> dict[str, Callable[[], None]]:
     engine around it: gathering, the check, the swaps), and ``torch.exp2`` over its 2P
     values."""
     noise, momenta, elements, accs, spares = (
-        parts([torch.rand(2, *p.shape) for p in params], True) for _ in range(5)
+        rows([torch.rand(2, *p.shape) for p in params], True) for _ in range(5)
     )
     grads, outs = [torch.randn_like(p) for p in params], [torch.empty_like(p) for p in params]
     kernel = compiled(multiplicative_update)
-    hp = (1, 0.9, 0.006 / DATA_SIZE, torch.tensor(1e-3), None)
+    offset = -0.006 / DATA_SIZE
+
+    hp = dict(n=1, beta=0.9, lr=torch.tensor(1e-3), mean=None)
 
     def kernel_only() -> None:
-        kernel(accs, momenta, elements, spares, outs, hp, (noise, grads))
+        kernel(accs, momenta, elements, spares, outs, (noise, grads), offset, [], **hp)
 
     def exp2_only() -> None:
         for m, out in zip(momenta, accs, strict=True):

@@ -5,6 +5,17 @@ from .affine import AffineBLR
 from .base import BLROptimizer
 from .generic import LieGroupBLR
 from .multiplicative import MultiplicativeBLR
-from .sample import Sample
+from .options import EngineOptions
+from .tensors import Sample
+from .wrappers import unwrap
 
-__all__ = ["AdditiveBLR", "AffineBLR", "BLROptimizer", "LieGroupBLR", "MultiplicativeBLR", "Sample"]
+__all__ = [
+    "AdditiveBLR",
+    "AffineBLR",
+    "BLROptimizer",
+    "EngineOptions",
+    "LieGroupBLR",
+    "MultiplicativeBLR",
+    "Sample",
+    "unwrap",
+]

@@ -4,73 +4,40 @@ r"""The additive rule: noisy SGD with momentum, θ = m + ξ.
     \hat X = \frac1S \sum_s \nabla\bar\ell_\delta(m + \xi_s), \qquad
     M \leftarrow \beta M + (1-\beta)\hat X, \qquad m \leftarrow m - \alpha M.
 
-The kernels below act on explicit tensor lists, one tensor at a time, so that under
-``torch.compile`` each parameter's update is one fused kernel.
+The class holds the hyperparameters and the initial state; below it the formulas, their
+in-place twins for eager steps, and the dispatcher :func:`additive` at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
+from typing_extensions import Unpack
 
 from ..groups import AdditiveGroup
 from .base import BLROptimizer
-from .kernels import Proposal
-from .sample import Deferred
-from .state import state_dtype
+from .kernel_utils import compiled, momentum
+from .options import EngineOptions
+from .scratch import state_dtype
+from .tensors import GroupTensors, Proposal
 
-__all__ = ["AdditiveBLR", "additive_accumulate", "additive_commit", "additive_draw"]
-
-
-def additive_draw(elements: list[Tensor], noise: list[Tensor], params: list[Tensor]) -> None:
-    """θ = m + ξ."""
-    for m, xi, p in zip(elements, noise, params, strict=True):
-        torch.add(m, xi, out=p)
-
-
-def additive_accumulate(accs: list[Tensor], grads: list[Tensor], first: bool) -> None:
-    """acc (+)= ∇ℓ̄_δ(θ)."""
-    for acc, grad in zip(accs, grads, strict=True):
-        if first:
-            acc.copy_(grad)
-        else:
-            acc.add_(grad)
-
-
-def momentum_propose(
-    accs: list[Tensor],
-    momenta: list[Tensor],
-    n: int,
-    beta: float,
-    grads: list[Tensor] | None = None,
-) -> None:
-    """acc ← β M + (1 − β) acc / n: the new momentum, in the accumulator; with the ``grads``
-    of a deferred sample, acc = their :func:`additive_accumulate` in the same pass."""
-    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
-        x = acc if grads is None else grads[i]
-        if n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
-            x = torch.mul(x, 1.0 / n, out=acc)
-        torch.lerp(x, m, beta, out=acc)
-
-
-def additive_commit(
-    elements: list[Tensor],
-    momenta: list[Tensor],
-    params: list[Tensor],
-    lr: float | Tensor,
-    mean: float | None,
-) -> None:
-    """m ← m − α M; θ ← m (+ E[ξ] under ``point_estimate="mean"``)."""
-    for m, mom, p in zip(elements, momenta, params, strict=True):
-        if isinstance(lr, Tensor):
-            m.sub_(mom * lr)
-        else:
-            m.add_(mom, alpha=-lr)
-        p.copy_(m if mean is None else m + mean)
+__all__ = [
+    "AdditiveBLR",
+    "additive",
+    "additive_accumulate",
+    "additive_draw",
+    "additive_momentum_",
+    "additive_move",
+    "additive_move_",
+    "additive_readout",
+    "additive_readout_",
+    "additive_update",
+]
 
 
 class AdditiveBLR(BLROptimizer):
@@ -97,11 +64,10 @@ class AdditiveBLR(BLROptimizer):
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
-
-    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
-    :class:`~liegroup_blr.optim.BLROptimizer`.
+        **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
+
+    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
 
     def __init__(
         self,
@@ -115,14 +81,7 @@ class AdditiveBLR(BLROptimizer):
         mc_samples: int = 1,
         *,
         point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
-        compile: bool = False,
-        process_group: Any = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        max_consecutive_skips: int | None = None,
+        **engine: Unpack[EngineOptions],
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -138,41 +97,170 @@ class AdditiveBLR(BLROptimizer):
             AdditiveGroup(),
             mc_samples=mc_samples,
             point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-            compile=compile,
-            process_group=process_group,
-            grad_scaler=grad_scaler,
-            max_consecutive_skips=max_consecutive_skips,
+            **engine,
         )
 
-    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         m = p.detach().to(state_dtype(p), copy=True)
         return {"element": m, "momentum": torch.zeros_like(m)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        additive_draw(self._gather(params, "element"), xi, params)
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        additive_draw(t.elements, xi, t.params)
         return xi
 
-    def _accumulate(self, group, params, noise, grads, first) -> None:
-        additive_accumulate(self._accumulators(params), grads, first)
+    def _accumulate(self, group, t, noise, grads, first) -> None:
+        additive_accumulate(t.accs, grads, first=first)
 
-    def _propose(
-        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
-    ) -> Proposal:
-        accs, momenta = self._accumulators(params), self._gather(params, "momentum")
-        grads = None if sample is None else sample.grads
-        self._kernel(momentum_propose)(accs, momenta, n, group["momentum"], grads)
-        return Proposal(accs)
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
+        grads = None if sample is None else sample[1]
+        beta, lr, c = group["momentum"], group["lr"], self.compile
+        return additive(t, grads, n=n, beta=beta, lr=lr, offset=prior, draw=draw, compile=c)
 
-    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
-        lr, mean = self._rate(group), self._mean(group)
-        self._kernel(additive_commit)(elements, momenta, params, lr, mean)
+    def _write_point(self, group, params, elements, mean) -> None:
+        additive_readout_(params, elements, mean=mean)
 
-    def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        mean = self._mean(group)
-        for m, p in zip(self._gather(params, "element"), params, strict=True):
-            p.copy_(m if mean is None else m + mean)
+
+# ------------------------------------------------------------------ the formulas
+def additive_move(m: Tensor, mom: Tensor, lr: float | Tensor) -> Tensor:
+    """m ← m − α M, the additive exp map."""
+    return m - mom * lr
+
+
+def additive_readout(m: Tensor, mean: float | None) -> Tensor:
+    """The point estimate m (m + E[ξ] under ``point_estimate="mean"``)."""
+    return m if mean is None else m + mean
+
+
+# ------------------------------------------------------------ eager, in place
+def additive_draw(elements: list[Tensor], xi: list[Tensor], params: list[Tensor]) -> None:
+    """θ = m + ξ."""
+    for m, x, p in zip(elements, xi, params, strict=True):
+        torch.add(m, x, out=p)
+
+
+def additive_accumulate(accs: list[Tensor], grads: list[Tensor], *, first: bool) -> None:
+    """acc (+)= ∇ℓ̄_δ(θ), the algebra gradient of one sample."""
+    for acc, grad in zip(accs, grads, strict=True):
+        if first:
+            acc.copy_(grad)
+        else:
+            acc.add_(grad)
+
+
+def additive_momentum_(
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    *,
+    n: int,
+    beta: float,
+    grads: list[Tensor] | None = None,
+    offset: list[Tensor] | None = None,
+) -> None:
+    """:func:`~.kernel_utils.momentum` in place, into the accumulators: acc ← β M + (1 − β)
+    (acc/n + c), or from the ``grads`` of a deferred sample in the same pass; c is 0 (the
+    entropy is constant) or a prior's ``offset``."""
+    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
+        x = acc if grads is None else grads[i]
+        if offset is not None:
+            x = torch.add(offset[i], x, alpha=1.0 / n, out=acc)
+        elif n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
+            x = torch.mul(x, 1.0 / n, out=acc)
+        torch.lerp(x, m, beta, out=acc)
+
+
+def additive_move_(elements: list[Tensor], momenta: list[Tensor], *, lr: float) -> None:
+    """:func:`additive_move` in place."""
+    for m, mom in zip(elements, momenta, strict=True):
+        m.add_(mom, alpha=-lr)
+
+
+def additive_readout_(params: list[Tensor], elements: list[Tensor], *, mean: float | None):
+    """:func:`additive_readout` into the parameters."""
+    for p, m in zip(params, elements, strict=True):
+        if mean is None:
+            p.copy_(m)
+        else:
+            torch.add(m, mean, out=p)
+
+
+# ------------------------------------------------------------ the implementations
+def _additive_commit(t: GroupTensors, *, lr: float) -> None:
+    additive_move_(t.elements, t.accs, lr=lr)  # the accumulators hold the new momenta
+    additive_readout_(t.params, t.elements, mean=t.mean)
+
+
+def additive_update(
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    elements: list[Tensor],
+    spares: list[Tensor],
+    params: list[Tensor],
+    grads: list[Tensor] | None,
+    offset: list[Tensor] | None,
+    noise: list[Tensor],
+    *,
+    n: int,
+    beta: float,
+    lr: Tensor,
+    mean: float | None,
+    draw: bool = False,
+) -> list[Tensor]:
+    """The whole update as formulas, one loop per parameter under ``torch.compile``: the
+    new momentum into ``accs``, the moved element into ``spares``, θ into ``params`` (the
+    point estimate; with ``draw``, the next sample m' + ξ', ξ' read from the accumulator
+    of a one-sample step and kept in ``noise``); returns each new momentum's sum (not
+    finite if any entry is not)."""
+    sums = []
+    for i, (acc, m, g, spare, p) in enumerate(
+        zip(accs, momenta, elements, spares, params, strict=True)
+    ):
+        c = 0.0 if offset is None else offset[i]
+        new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta, offset=c)
+        moved = additive_move(g, new, lr)
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            xi = acc.clone()
+            p.copy_(moved + xi)
+            noise[i].copy_(xi)
+        else:
+            p.copy_(additive_readout(moved, mean))
+        acc.copy_(new)
+        spare.copy_(moved)
+        sums.append(new.sum())
+    return sums
+
+
+def additive(
+    t: GroupTensors,
+    grads: list[Tensor] | None,
+    *,
+    n: int,
+    beta: float,
+    lr: float,
+    offset: list[Tensor] | None,
+    draw: bool,
+    compile: bool,
+) -> Proposal:
+    """The additive rule's update of a param group from its accumulators (``n`` samples) or
+    the ``grads`` of its one deferred sample, with a prior's ``offset`` of the algebra
+    gradient: eager, in place, or as one compiled kernel per parameter into the spares
+    (which also draws the next sample with ``draw``)."""
+    if not compile:
+        additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads, offset=offset)
+        return Proposal(t.accs, commit=partial(_additive_commit, t, lr=lr))
+    rate = torch.tensor(lr, dtype=t.elements[0].dtype)  # a tensor: schedules do not recompile
+    sums = compiled(additive_update)(
+        t.accs,
+        t.momenta,
+        t.elements,
+        t.spares,
+        t.params,
+        grads,
+        offset,
+        t.noise,
+        n=n,
+        beta=beta,
+        lr=rate,
+        mean=t.mean,
+        draw=draw,
+    )
+    return Proposal(t.accs, sums)

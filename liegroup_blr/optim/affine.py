@@ -9,158 +9,42 @@ Elements stack [A, b], momenta [M_U, M_V] (shape (2, …)); the accumulators sta
     b \leftarrow b - \alpha_1 A \odot M_V \odot \varphi(-\alpha_1 M_U), \qquad
     A \leftarrow A \odot e^{-\alpha_2 M_U}, \qquad \varphi(x) = \frac{e^x - 1}{x}.
 
-The kernels act on explicit tensor lists one tensor at a time: in place for eager steps, and
-:func:`affine_update`, what ``compile=True`` runs, over the rows of each tensor (one loop per
-parameter).
+The class holds the hyperparameters and the initial state; below it the formulas, their
+in-place twins for eager steps, and the dispatcher :func:`affine` at the end.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
+from typing_extensions import Unpack
 
 from ..groups import DiagonalAffineGroup
 from ..groups.affine import exprel
 from .base import BLROptimizer
 from .checks import check_number
-from .kernels import LOG2E, Parts, Proposal, compiled
-from .sample import Deferred
-from .state import state_dtype
+from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
+from .options import EngineOptions
+from .scratch import state_dtype
+from .tensors import GroupTensors, Proposal, SampleGrads
 
 __all__ = [
     "AffineBLR",
+    "affine",
     "affine_accumulate",
-    "affine_commit_",
     "affine_draw",
+    "affine_momentum_",
     "affine_move",
-    "affine_propose",
+    "affine_move_",
+    "affine_readout",
+    "affine_readout_",
     "affine_update",
 ]
-
-
-def affine_draw(elements: list[Tensor], xi: list[Tensor], params: list[Tensor]) -> None:
-    """θ = A ⊙ ξ + b (ξ itself is what the accumulation reads)."""
-    for g, x, p in zip(elements, xi, params, strict=True):
-        torch.addcmul(g[1], g[0], x, out=p)
-
-
-def affine_accumulate(
-    accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], first: bool
-) -> None:
-    """acc (+)= (∇ℓ̄_δ ⊙ ξ, ∇ℓ̄_δ): the algebra gradient (∇ℓ̄_δ ⊙ Aξ, A ⊙ ∇ℓ̄_δ) of one sample
-    but for the factor A, which :func:`affine_propose` applies to the sum."""
-    for acc, xi, grad in zip(accs, noise, grads, strict=True):
-        if first:
-            torch.mul(xi, grad, out=acc[0])
-            acc[1].copy_(grad)
-        else:
-            acc[0].addcmul_(xi, grad)
-            acc[1].add_(grad)
-
-
-def affine_propose(
-    accs: list[Tensor],
-    momenta: list[Tensor],
-    elements: list[Tensor],
-    n: int,
-    betas: tuple[float, float],
-    shift: float,
-    sample: tuple[list[Tensor], list[Tensor]] | None = None,
-) -> None:
-    """[M_U, M_V] ← [lerp(A acc_U/n − τ/N, M_U, β₂), lerp(A acc_V/n, M_V, β₁)], in place row by
-    row; with ``sample`` = (noise, grads) of a deferred sample, acc = its
-    :func:`affine_accumulate`, made in the same pass."""
-    for i, (acc, m, g) in enumerate(zip(accs, momenta, elements, strict=True)):
-        if sample is None:
-            for row, offset in enumerate((-shift, 0.0)):
-                torch.addcmul(acc.new_full((), offset), acc[row], g[0], value=1 / n, out=acc[row])
-        else:
-            torch.mul(g[0], sample[1][i], out=acc[1])
-            torch.addcmul(acc.new_full((), -shift), acc[1], sample[0][i], out=acc[0])
-        for row, beta in enumerate(betas):
-            acc[row].lerp_(m[row], beta)
-
-
-def _point(p: Tensor, A: Tensor, b: Tensor, mean: float | None) -> None:
-    """p ← b, or b + A·E[ξ] under ``point_estimate="mean"``."""
-    if mean is None:
-        p.copy_(b)
-    else:
-        torch.add(b, A, alpha=mean, out=p)
-
-
-def affine_move(
-    g: Tensor | Parts, u: Tensor, v: Tensor, lr: float | Tensor, scale_lr: float | Tensor
-) -> tuple[Tensor, Tensor]:
-    """(A e^{−α₂ u}, b − α₁ A v φ(−α₁ u)) for g = (A, b) (φ = :func:`~liegroup_blr.groups.
-    affine.exprel`, exact at u = 0; e^x as 2^{x log₂e}, several times faster on CPU), both
-    clamped to the finite range (A > 0) for any step."""
-    info = torch.finfo(g[0].dtype)
-    phi = exprel((u * -lr).clamp(max=math.log(info.max)))
-    b = (g[1] - g[0] * v * phi * lr).clamp(-info.max, info.max)
-    A = (g[0] * torch.exp2(u * (scale_lr * -LOG2E))).clamp(info.tiny, info.max)
-    return A, b
-
-
-def affine_commit_(
-    elements: list[Tensor],
-    momenta: list[Tensor],
-    work: list[Tensor],
-    params: list[Tensor],
-    lr: float,
-    scale_lr: float,
-    mean: float | None,
-) -> None:
-    """g ← :func:`affine_move` (g, M_U, M_V) in place, in the free buffers ``work`` (no
-    allocation: large temporaries cost page faults on every eager step); φ(x) = expm1(x)/x,
-    with the 0/0 at x = 0 replaced by its limit 1. What eager steps run."""
-    for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
-        info = torch.finfo(g.dtype)
-        x, phi = ws[0], ws[1]
-        torch.mul(m[0], -lr, out=x)
-        torch.expm1(x, out=phi)
-        phi.div_(x).nan_to_num_(nan=1.0, posinf=info.max)  # φ > 0: an overflow gives max
-        phi.mul_(m[1])  # φ·M_V: finite factors, so never inf·0
-        g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)
-        torch.mul(m[0], -scale_lr * LOG2E, out=x)
-        g[0].mul_(x.exp2_()).clamp_(info.tiny, info.max)
-        _point(p, g[0], g[1], mean)
-
-
-def affine_update(
-    accs: list[Parts],
-    momenta: list[Parts],
-    elements: list[Parts],
-    out: list[Parts],
-    params: list[Tensor],
-    hp: tuple[int, tuple[float, float], float, float | Tensor, float | Tensor, float | None],
-    sample: tuple[list[Tensor], list[Tensor]] | None = None,
-) -> list[Tensor]:
-    """:func:`affine_propose` and :func:`affine_move` into ``out`` in functional form over the
-    rows of each tensor (:func:`~liegroup_blr.optim.kernels.parts`; ``hp`` = n, (β₂, β₁),
-    τ/N, α₁, α₂, E[ξ]): what ``compile=True`` runs, one loop per parameter; returns each new
-    momentum's sum (not finite if any entry is not)."""
-    n, betas, shift, lr, scale_lr, mean = hp
-    sums = []
-    for i, (acc, m, g, o, p) in enumerate(zip(accs, momenta, elements, out, params, strict=True)):
-        if sample is None:
-            x_u, x_v = acc[0] * g[0] / n, acc[1] * g[0] / n
-        else:
-            x_v = g[0] * sample[1][i]
-            x_u = x_v * sample[0][i]
-        u, v = torch.lerp(x_u - shift, m[0], betas[0]), torch.lerp(x_v, m[1], betas[1])
-        A, b = affine_move(g, u, v, lr, scale_lr)
-        for row, (new_m, new_g) in enumerate(((u, A), (v, b))):
-            acc[row].copy_(new_m)
-            o[row].copy_(new_g)
-        _point(p, A, b, mean)
-        sums.append(u.sum() + v.sum())
-    return sums
 
 
 class AffineBLR(BLROptimizer):
@@ -205,13 +89,12 @@ class AffineBLR(BLROptimizer):
         mc_samples: S ≥ 1.
         init_scale: initial A > 0.
         point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
-
-    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
-    :class:`~liegroup_blr.optim.BLROptimizer`.
+        **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
     lie_group: DiagonalAffineGroup
+
+    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
 
     def __init__(
         self,
@@ -228,14 +111,7 @@ class AffineBLR(BLROptimizer):
         init_scale: float = 1.0,
         *,
         point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
-        compile: bool = False,
-        process_group: Any = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        max_consecutive_skips: int | None = None,
+        **engine: Unpack[EngineOptions],
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -254,21 +130,14 @@ class AffineBLR(BLROptimizer):
             DiagonalAffineGroup(),
             mc_samples=mc_samples,
             point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-            compile=compile,
-            process_group=process_group,
-            grad_scaler=grad_scaler,
-            max_consecutive_skips=max_consecutive_skips,
+            **engine,
         )
 
-    def _validate(self, hp: dict[str, Any]) -> None:
-        super()._validate(hp)
-        check_number(hp, "scale_lr", 0.0, closed=False)
-        check_number(hp, "scale_momentum", 0.0, 1.0)
-        check_number(hp, "init_scale", 0.0, closed=False)
+    def _validate(self, options: dict[str, Any]) -> None:
+        super()._validate(options)
+        check_number(options, "scale_lr", 0.0, closed=False)
+        check_number(options, "scale_momentum", 0.0, 1.0)
+        check_number(options, "init_scale", 0.0, closed=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -281,47 +150,230 @@ class AffineBLR(BLROptimizer):
                 "scale_ratio", group["scale_lr"] / group.get("initial_lr", group["lr"])
             )
 
-    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         theta = p.detach().to(state_dtype(p))
         element = self.lie_group.from_point(theta, group["init_scale"])
         return {"element": element, "momentum": torch.zeros_like(element)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        affine_draw(self._gather(params, "element"), xi, params)
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        affine_draw(t.elements, xi, t.params)
         return xi
 
-    def _accumulate(self, group, params, noise, grads, first) -> None:
-        affine_accumulate(self._accumulators(params), noise, grads, first)
+    def _accumulate(self, group, t, noise, grads, first) -> None:
+        affine_accumulate(t.accs, noise, grads, first=first)
 
-    def _propose(
-        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
-    ) -> Proposal:
-        accs, momenta = self._accumulators(params), self._gather(params, "momentum")
-        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
-        betas = (group["scale_momentum"], group["momentum"])
-        elements = self._gather(params, "element")
-        deferred = None if sample is None else (sample.noise, sample.grads)
-        if not self.compile:
-            affine_propose(accs, momenta, elements, n, betas, shift, deferred)
-            return Proposal(accs)
-        rate, mean = self._rate(group), self._mean(group)
-        hp = (n, betas, shift, rate, rate * group["scale_ratio"], mean)
-        tensors = [
-            self._parts(params, ts) for ts in (accs, momenta, elements, self._spares(params))
-        ]
-        sums = compiled(affine_update)(*tensors, params, hp, deferred)
-        return Proposal(accs, sums)
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
+        lr = group["lr"]
+        entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+        return affine(
+            t,
+            sample,
+            draw=draw,
+            n=n,
+            betas=(group["scale_momentum"], group["momentum"]),
+            offset=entropy if prior is None else prior,
+            lr=lr,
+            scale_lr=lr * group["scale_ratio"],
+            compile=self.compile,
+        )
 
-    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        if self.compile:  # moved by the proposal
-            self._swap(params, "element", "spare")
-            return
-        elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
-        lr, mean = group["lr"], self._mean(group)
-        work = self._accumulators(params)  # the old momenta: free
-        affine_commit_(elements, momenta, work, params, lr, lr * group["scale_ratio"], mean)
+    def _write_point(self, group, params, elements, mean) -> None:
+        affine_readout_(params, elements, mean=mean)
 
-    def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        mean = self._mean(group)
-        for g, p in zip(self._gather(params, "element"), params, strict=True):
-            _point(p, g[0], g[1], mean)
+
+# ------------------------------------------------------------------ the formulas
+def affine_move(
+    g: Rows, u: Tensor, v: Tensor, lr: float | Tensor, scale_lr: float | Tensor
+) -> tuple[Tensor, Tensor]:
+    """(A e^{−α₂ u}, b − α₁ A v φ(−α₁ u)) for g = (A, b), both clamped to the finite range
+    (A > 0) for any step. φ is the group's :func:`~liegroup_blr.groups.affine.exprel` (a
+    Taylor series near 0: inductor's vectorised ``expm1`` on CPU is exp(x) − 1, which loses
+    every digit there); e^x as 2^{x log₂e}, several times faster on CPU."""
+    info = torch.finfo(g[0].dtype)
+    phi = exprel(u * -lr).clamp(max=info.max)  # φ > 0: an overflow gives max
+    b = g[1] - g[0] * (phi * v) * lr  # φ·v: finite factors, never inf·0
+    A = g[0] * torch.exp2(u * (scale_lr * -LOG2E))
+    return A.clamp(info.tiny, info.max), b.clamp(-info.max, info.max)
+
+
+def affine_readout(A: Tensor, b: Tensor, mean: float | None) -> Tensor:
+    """The point estimate b (b + A·E[ξ] under ``point_estimate="mean"``)."""
+    return b if mean is None else b + A * mean
+
+
+# ------------------------------------------------------------ eager, in place
+def affine_draw(elements: list[Tensor], xi: list[Tensor], params: list[Tensor]) -> None:
+    """θ = A ⊙ ξ + b (ξ itself is what the accumulation reads)."""
+    for g, x, p in zip(elements, xi, params, strict=True):
+        torch.addcmul(g[1], g[0], x, out=p)
+
+
+def affine_accumulate(
+    accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], *, first: bool
+) -> None:
+    """acc (+)= (∇ℓ̄_δ ⊙ ξ, ∇ℓ̄_δ): the algebra gradient (∇ℓ̄_δ ⊙ Aξ, A ⊙ ∇ℓ̄_δ) of one sample
+    but for the factor A, which :func:`affine_momentum_` applies to the sum."""
+    for acc, xi, grad in zip(accs, noise, grads, strict=True):
+        if first:
+            torch.mul(xi, grad, out=acc[0])
+            acc[1].copy_(grad)
+        else:
+            acc[0].addcmul_(xi, grad)
+            acc[1].add_(grad)
+
+
+def affine_momentum_(
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    elements: list[Tensor],
+    *,
+    n: int,
+    betas: tuple[float, float],
+    offset: float | list[Tensor],
+    sample: SampleGrads | None = None,
+) -> None:
+    """:func:`~.kernel_utils.momentum` of both rows in place, into the accumulators:
+    [M_U, M_V] ← [lerp(A acc_U/n + c_U, M_U, β₂), lerp(A acc_V/n + c_V, M_V, β₁)], c = (−τ/N, 0)
+    from the entropy or a prior's ``offset`` per tensor; with ``sample`` = (ξ, ∇ℓ̄_δ) of a
+    deferred sample, its :func:`affine_accumulate` made in the same pass."""
+    for i, (acc, m, g) in enumerate(zip(accs, momenta, elements, strict=True)):
+        if isinstance(offset, float):  # 0-d tensors: the out= forms allocate nothing
+            c_u, c_v = acc.new_full((), offset), None
+        else:
+            c_u, c_v = offset[i][0], offset[i][1]
+        if sample is None:
+            torch.addcmul(c_u, acc[0], g[0], value=1 / n, out=acc[0])
+            c = acc.new_zeros(()) if c_v is None else c_v
+            torch.addcmul(c, acc[1], g[0], value=1 / n, out=acc[1])
+        else:
+            torch.mul(g[0], sample[1][i], out=acc[1])
+            torch.addcmul(c_u, acc[1], sample[0][i], out=acc[0])
+            if c_v is not None:
+                acc[1].add_(c_v)
+        for row, beta in enumerate(betas):
+            acc[row].lerp_(m[row], beta)
+
+
+def affine_move_(
+    elements: list[Tensor],
+    momenta: list[Tensor],
+    work: list[Tensor],
+    *,
+    lr: float,
+    scale_lr: float,
+) -> None:
+    """:func:`affine_move` in place, in the free buffers ``work`` (no allocation: large
+    temporaries cost page faults on every eager step), with φ as expm1(x)/x."""
+    for g, m, ws in zip(elements, momenta, work, strict=True):
+        info = torch.finfo(g.dtype)
+        x, phi = ws[0], ws[1]
+        torch.mul(m[0], -lr, out=x)
+        torch.expm1(x, out=phi)  # φ(x) = expm1(x)/x, ATen's expm1 exact near 0; φ(0) = 1
+        phi.div_(x).nan_to_num_(nan=1.0, posinf=info.max)  # φ > 0: an overflow gives max
+        phi.mul_(m[1])
+        g[1].addcmul_(phi, g[0], value=-lr).clamp_(-info.max, info.max)
+        torch.mul(m[0], -scale_lr * LOG2E, out=x)
+        g[0].mul_(x.exp2_()).clamp_(info.tiny, info.max)
+
+
+def affine_readout_(params: list[Tensor], elements: list[Tensor], *, mean: float | None):
+    """:func:`affine_readout` into the parameters."""
+    for p, g in zip(params, elements, strict=True):
+        if mean is None:
+            p.copy_(g[1])
+        else:
+            torch.add(g[1], g[0], alpha=mean, out=p)
+
+
+# ------------------------------------------------------------ the implementations
+def _affine_commit(t: GroupTensors, *, lr: float, scale_lr: float) -> None:
+    # the accumulators hold the new momenta, the momenta lists the old ones: free
+    affine_move_(t.elements, t.accs, t.momenta, lr=lr, scale_lr=scale_lr)
+    affine_readout_(t.params, t.elements, mean=t.mean)
+
+
+def affine_update(
+    accs: list[Rows],
+    momenta: list[Rows],
+    elements: list[Rows],
+    spares: list[Rows],
+    params: list[Tensor],
+    sample: SampleGrads | None,
+    offset: float | list[Rows],
+    noise: list[Tensor],
+    *,
+    n: int,
+    betas: tuple[float, float],
+    lr: Tensor,
+    scale_lr: Tensor,
+    mean: float | None,
+    draw: bool = False,
+) -> list[Tensor]:
+    """The whole update as formulas over the rows (A, b) of each tensor, one loop per
+    parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample
+    A'ξ' + b', ξ' read from the accumulator's first row in a one-sample step and kept in
+    ``noise``, the step's ξ read from ``noise``), from the accumulators or a deferred
+    ``sample`` (ξ, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
+    sums = []
+    for i, (acc, m, g, spare, p) in enumerate(
+        zip(accs, momenta, elements, spares, params, strict=True)
+    ):
+        if sample is None:
+            x_u, x_v = acc[0] * g[0], acc[1] * g[0]
+        else:
+            x_v = g[0] * sample[1][i]
+            x_u = x_v * (noise[i] if draw else sample[0][i])
+        c = (offset, 0.0) if isinstance(offset, float) else offset[i]
+        u = momentum(x_u, m[0], n=n, beta=betas[0], offset=c[0])
+        v = momentum(x_v, m[1], n=n, beta=betas[1], offset=c[1])
+        A, b = affine_move(g, u, v, lr, scale_lr)
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            xi = acc[0].clone()
+            p.copy_(A * xi + b)
+            noise[i].copy_(xi)
+        else:
+            p.copy_(affine_readout(A, b, mean))
+        for row, (new_m, new_g) in enumerate(((u, A), (v, b))):
+            acc[row].copy_(new_m)
+            spare[row].copy_(new_g)
+        sums.append(u.sum() + v.sum())
+    return sums
+
+
+def affine(
+    t: GroupTensors,
+    sample: SampleGrads | None,
+    *,
+    draw: bool,
+    n: int,
+    betas: tuple[float, float],
+    offset: float | list[Tensor],
+    lr: float,
+    scale_lr: float,
+    compile: bool,
+) -> Proposal:
+    """The affine rule's update of a param group from its accumulators (``n`` samples) or
+    its one deferred ``sample`` (ξ, ∇ℓ̄_δ): eager, in place, or as one compiled kernel per
+    parameter into the spares (which also draws the next sample with ``draw``)."""
+    if not compile:
+        affine_momentum_(
+            t.accs, t.momenta, t.elements, n=n, betas=betas, offset=offset, sample=sample
+        )
+        commit = partial(_affine_commit, t, lr=lr, scale_lr=scale_lr)
+        return Proposal(t.accs, commit=commit)
+    dtype = t.elements[0].dtype  # step sizes as tensors: schedules do not recompile
+    sums = compiled(affine_update)(
+        *(t.rows(ts, True) for ts in (t.accs, t.momenta, t.elements, t.spares)),  # type: ignore[arg-type]
+        t.params,
+        sample,
+        offset if isinstance(offset, float) else rows(offset),  # new each step
+        t.noise,
+        n=n,
+        betas=betas,
+        lr=torch.tensor(lr, dtype=dtype),
+        scale_lr=torch.tensor(scale_lr, dtype=dtype),
+        mean=t.mean,
+        draw=draw,
+    )
+    return Proposal(t.accs, sums)

@@ -1,24 +1,58 @@
 """Mixed precision with ``torch.amp.GradScaler``: unscaled samples, the scaler told of infs.
 
-The rules consume each sample's gradients as it is drawn (the algebra gradient is nonlinear
-in the sample), so the loss scale is taken off every sample's gradients before they are
-accumulated, and the step's verdict (all samples finite, or not) is recorded with the
-scaler so that ``scaler.update()`` backs off or grows the scale as it does for torch.optim.
+Two ways in. ``GradScaler.step(optimizer)`` (what Lightning, accelerate and most loops do)
+calls :meth:`~liegroup_blr.optim.BLROptimizer.step` itself, after setting the optimizer's
+``grad_scale`` and ``found_inf`` (the protocol of optimizers with
+``_step_supports_amp_scaling``): the step's one sample is read with the scale taken off, and
+an inf skips it; the scaler then backs off as for torch.optim. With several samples per step
+an inf in an earlier sample would never reach ``scaler.update()``, so that needs the scaler
+at construction (``grad_scaler=``): every sample's gradients are then unscaled as they are
+read, and the step's verdict (all samples finite, or not) is recorded with the scaler.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["inverse_scale", "record_finite", "scaler_found_inf"]
+if TYPE_CHECKING:
+    from .base import BLROptimizer
+    from .state import GroupStateOptimizer
+
+__all__ = ["inverse_scale", "record_finite", "scaler_step"]
 
 
-def inverse_scale(scaler: torch.amp.GradScaler | None) -> float:
-    """1 / loss scale of an enabled scaler, else 1."""
+def inverse_scale(optimizer: GroupStateOptimizer) -> float:
+    """1 / the loss scale the gradients read now carry: that of a ``GradScaler.step``
+    driving the step (1 once ``unscale_`` has taken it off), else that of the optimizer's
+    enabled ``grad_scaler``, else 1."""
+    state = vars(optimizer)
+    if "grad_scale" in state:
+        scale = state["grad_scale"]
+        return 1.0 if scale is None else 1.0 / float(scale)
+    scaler = optimizer.grad_scaler
     return 1.0 / scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
+
+def scaler_step(optimizer: BLROptimizer, closure: Callable[[], Any] | None) -> tuple[float, bool]:
+    """The inverse loss scale of the gradients this step reads (:func:`inverse_scale`) and
+    whether a ``GradScaler.step(optimizer)`` driving it found inf/NaN gradients; refused, in
+    one line, where an inf in an earlier sample would escape that scaler."""
+    state = vars(optimizer)
+    if "found_inf" not in state or optimizer.grad_scaler is not None:
+        return inverse_scale(optimizer), False
+    pending = optimizer.pending_samples
+    if pending > 1 or (closure is not None and optimizer.mc_samples > 1):
+        optimizer.discard()
+        raise RuntimeError(
+            f"GradScaler.step(optimizer) with {max(pending, optimizer.mc_samples)} samples in "
+            "the step: an inf in an earlier sample would never reach scaler.update(); pass "
+            "grad_scaler=scaler to the optimizer, or take one sample per step"
+        )
+    return inverse_scale(optimizer), bool(state["found_inf"].item())
 
 
 class _Flag:
@@ -36,17 +70,3 @@ def record_finite(scaler: torch.amp.GradScaler | None, finite: bool) -> None:
     if scaler is None or not scaler.is_enabled():
         return
     scaler.unscale_(_Flag(finite))  # type: ignore[arg-type]
-
-
-def scaler_found_inf(optimizer: Any) -> bool:
-    """Whether ``GradScaler.step(optimizer)`` found inf/NaN gradients: it sets the
-    optimizer's ``grad_scale`` and ``found_inf`` before calling its ``step`` (for optimizers
-    with ``_step_supports_amp_scaling``)."""
-    state = vars(optimizer)
-    if state.get("grad_scale") is not None and optimizer.grad_scaler is None:
-        raise RuntimeError(
-            "GradScaler.step(optimizer): pass grad_scaler=scaler to the optimizer so each "
-            "sample's gradients are unscaled before they are accumulated"
-        )
-    found = state.get("found_inf")
-    return found is not None and bool(found.item())

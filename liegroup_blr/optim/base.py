@@ -1,11 +1,11 @@
 r"""The sampling engine every Lie-group rule shares.
 
-One step of every rule is the same loop; only four pieces of arithmetic differ per rule::
+One step of every rule is the same loop; only the arithmetic differs per rule::
 
     for s in 1..S:                      draw():       ξ_s ~ q0 (noise.NoiseSource), θ_s = g·ξ_s
         closure()                                     forward + backward at θ_s
         accumulate(sample, defer=True)                acc += ∇_X ℓ̄(θ_s(X))|_{X=0}
-    propose  M' = β M + (1 − β) P(acc/S − (τ/N)∇_X H)   (in the accumulator, in place)
+    propose  M' = β M + (1 − β) P(acc/S − (τ/N)∇_X H)   (in the accumulator)
     if M' is finite:  commit  M ← M',  g ← g·exp(−α M'),  θ ← point estimate
     else:             skip (state unchanged, RuntimeWarning)
 
@@ -13,19 +13,19 @@ The first sample of a step is deferred: the next draw accumulates it or, in a on
 step, the proposal itself does, in the same pass over the tensors.
 
 :class:`BLROptimizer` owns the loop, :meth:`~BLROptimizer.sampled_params`, the skip on
-non-finite values, the state dict (with the noise generators), gradient unscaling for
-``torch.amp.GradScaler`` and the all-reduce over processes. A rule subclass supplies
-``_new_state`` (the initial element), ``_draw``, ``_accumulate``, ``_propose`` (given the
-deferred sample, if any), ``_commit`` and ``_write_point``; each gathers tensor lists and calls
-its module's kernel functions.
+non-finite values, gradient unscaling for ``torch.amp.GradScaler`` and the all-reduce over
+processes. It gathers each param group's tensors once per step
+(:class:`~.tensors.GroupTensors`) and hands them to the rule, whose class supplies
+``_init_state``, ``_draw``, ``_accumulate``, ``_propose`` and ``_write_point``, each a call
+of its module's functions with the param group's hyperparameters as keywords.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -33,30 +33,32 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
-from .amp import inverse_scale, record_finite, scaler_found_inf
-from .checks import check_count
+from ..posterior import Posterior
+from .amp import inverse_scale, record_finite, scaler_step
+from .checks import check_choice, check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
-from .kernels import Parts, Proposal, all_finite, loss_gradients
-from .sample import Deferred, Sample
-from .state import GroupStateOptimizer
+from .holding import SampleHolding
+from .options import EngineState
+from .scratch import Scratch
+from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads, all_finite
 
 __all__ = ["BLROptimizer"]
 
-_POINT_ESTIMATES = ("g", "mean")
+POINT_ESTIMATES = ("g", "mean")
+"""Where the point estimate is read: at the group's reference point ξ₀, or at E[ξ]."""
+BETWEEN_STEPS = ("point", "sample")
+"""What the parameters hold between steps: the point estimate, or a fresh sample."""
 
 
-class BLROptimizer(GroupStateOptimizer):
+class BLROptimizer(SampleHolding):
     r"""Base class of the Lie-group rules: the Monte-Carlo loop and everything rules share.
 
     Each trained parameter θ is the readout of :math:`g \cdot \xi`, :math:`\xi \sim q_0`, with
-    its own group element g; outside :meth:`sampled_params` it holds the point estimate.
-
-    Sample protocol (what :func:`~liegroup_blr.mc.mc_step` and custom loops use):
-    :meth:`draw` writes a sample into the parameters and returns a :class:`Sample`;
-    :meth:`accumulate` adds that sample's algebra gradient (from ``p.grad`` or given
-    gradients) to the pending step, at once or, with ``defer=True``, when the next sample is
-    drawn or accumulated or the step is taken; :meth:`restore` writes the point estimates back;
-    :attr:`pending_samples` counts what :meth:`step` (without a closure) will average.
+    its own group element g; outside :meth:`sampled_params` it holds the point estimate (or,
+    ``between_steps="sample"``, a sample). The sample protocol (:meth:`draw`,
+    :meth:`accumulate`, :meth:`restore`, :attr:`pending_samples`) is what
+    :func:`~liegroup_blr.mc.mc_step` and custom loops use. The keyword-only arguments after
+    ``point_estimate`` are the engine's options, :class:`~liegroup_blr.optim.EngineOptions`.
 
     Args:
         params: parameters or param groups.
@@ -65,23 +67,11 @@ class BLROptimizer(GroupStateOptimizer):
         group: the Lie group.
         mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
         point_estimate: ``"g"`` (read at ξ₀ of the group) or ``"mean"`` (at E[ξ]).
-        seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
-            so ``torch.manual_seed`` makes runs reproducible).
-        noise: ``"fresh"`` draws or ``"table"`` (:class:`~liegroup_blr.noise.NoiseTable`).
-        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).
-        table_size: values in each noise table.
-        compile: run the update kernels through ``torch.compile`` (lr enters as a tensor, so
-            schedules do not recompile).
-        process_group: a ``torch.distributed`` group: every process draws its own noise, the
-            algebra-gradient accumulators and sample counts are summed before the update.
-        grad_scaler: a ``torch.amp.GradScaler`` whose scaled backward passes the samples
-            use: each sample's gradients are unscaled before they are accumulated, and each
-            step's inf check is recorded for ``scaler.update()``.
-        max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
-            skipped steps (default: never; every skip warns).
     """
 
-    _step_supports_amp_scaling = True  # GradScaler.step calls step() itself: see amp.py
+    _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
+    draws_in_update: tuple[str, ...] = ()  # noise sources with which the compiled update
+    # draws the next sample (``draw``): where that saves passes over the state
     lie_group: LieGroup
 
     def __init__(
@@ -92,6 +82,7 @@ class BLROptimizer(GroupStateOptimizer):
         *,
         mc_samples: int = 1,
         point_estimate: str = "g",
+        between_steps: str = "point",
         seed: int | None = None,
         noise: str = "fresh",
         antithetic: bool = False,
@@ -100,18 +91,23 @@ class BLROptimizer(GroupStateOptimizer):
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         max_consecutive_skips: int | None = None,
+        prior: Posterior | None = None,
     ) -> None:
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
         check_count("mc_samples", mc_samples)
-        if point_estimate not in _POINT_ESTIMATES:
-            raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        check_choice("point_estimate", point_estimate, POINT_ESTIMATES)
+        check_choice("between_steps", between_steps, BETWEEN_STEPS)
+        if max_consecutive_skips is not None:
+            check_count("max_consecutive_skips", max_consecutive_skips)
         self.lie_group = group
         self.mc_samples = mc_samples
-        self.point_estimate = point_estimate
+        self.point_convention = point_estimate
+        self.between_steps = between_steps
         self.compile = bool(compile)
         self.process_group = process_group
         self.grad_scaler = grad_scaler
+        self.max_consecutive_skips = max_consecutive_skips
         rank = 0 if process_group is None else dist.get_rank(process_group)
         self.noise_source = NoiseSource(
             noise,
@@ -120,60 +116,54 @@ class BLROptimizer(GroupStateOptimizer):
             antithetic=antithetic,
             table_size=table_size,
         )
-        if max_consecutive_skips is not None:
-            check_count("max_consecutive_skips", max_consecutive_skips)
-        self.max_consecutive_skips = max_consecutive_skips
-        self.skipped_steps = 0
-        self._consecutive_skips = 0
-        self._scratch: dict[Tensor, dict[str, Tensor]] = {}
-        self._views: dict[Tensor, dict[int, tuple[Tensor, Parts]]] = {}
-        self._pending: dict[Tensor, None] = {}  # parameters with accumulated samples
-        self._deferred: dict[int, Deferred] = {}  # by id of the param group
-        self._samples = 0
-        self._sampling = False
+        self._engine = EngineState()
+        self._scratch = Scratch()
         super().__init__(params, defaults)
         if process_group is not None:
-            self._broadcast_state()
+            broadcast_elements([s["element"] for s in self.state.values()], process_group)
+            self.restore()
+        self._fresh_gradients()  # gradients from before construction are nobody's sample
+        if prior is not None:
+            self.set_prior(prior)
+        if between_steps == "sample":
+            self._draw_resident()
 
     # ------------------------------------------------------------ the rule's part
-    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        """``params ← readout(g·ξ)``; returns what the accumulation needs of the draw (ξ, or
-        a quantity the rule derives from it in its scratch buffers ``"noise"``). ``xi`` may
-        be read-only views of a noise table."""
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        """``t.params ← readout(g·ξ)``; returns the sample's noise as the accumulation reads
+        it (:attr:`Sample.noise`). ``xi`` may be read-only views of a noise table."""
         raise NotImplementedError
 
     def _accumulate(
         self,
         group: dict[str, Any],
-        params: list[Tensor],
+        t: GroupTensors,
         noise: list[Tensor],
         grads: list[Tensor],
         first: bool,
     ) -> None:
-        """Add one sample's algebra gradient to the accumulators ``self._scratch[p]["acc"]``
-        (``first``: overwrite them)."""
+        """Add one sample's algebra gradient to ``t.accs`` (``first``: overwrite them)."""
         raise NotImplementedError
 
     def _propose(
-        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
+        self,
+        group: dict[str, Any],
+        t: GroupTensors,
+        n: int,
+        sample: SampleGrads | None,
+        prior: list[Tensor] | None,
+        draw: bool,
     ) -> Proposal | None:
-        """Turn the accumulators (n samples), and the deferred ``sample`` (not yet in them,
-        and then the only one: ``n = 1``), into the new momenta, in the accumulators; return
-        what must be finite for the step to go on (``None``: reject the step)."""
-        raise NotImplementedError
-
-    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """Move the elements along the new momenta (``state["momentum"]``; the accumulators
-        now hold the old momenta and are free) and write the point estimates, or swap in
-        the elements the proposal already moved (:meth:`_spares`)."""
+        """The update from the accumulators (n samples) and the deferred ``sample`` (its
+        noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
+        prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
+        entropy's when the optimizer has a prior; ``None`` rejects the step. With ``draw``
+        (a compiled one-sample step, ``between_steps="sample"``; the next sample's ξ' is in
+        the accumulators) the update writes the next sample θ = readout(g'·ξ') into the
+        parameters and its noise into ``t.noise`` instead of the point estimate."""
         raise NotImplementedError
 
     # --------------------------------------------------------- sample protocol
-    @property
-    def pending_samples(self) -> int:
-        """Samples accumulated since the last update."""
-        return self._samples
-
     @torch.no_grad()
     def draw(self, train: bool = True) -> Sample:
         """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
@@ -181,21 +171,19 @@ class BLROptimizer(GroupStateOptimizer):
         With ``train=True`` the sample is one of the next step's (antithetic pairing counts
         it); pass the result to :meth:`accumulate` once its gradients are known.
         """
-        self._settle()  # the draw rewrites the noise buffers a deferred sample reads
+        if self._engine.deferred:  # the draw rewrites the noise a deferred sample reads
+            self._accumulate_deferred()
         self.noise_source.start_sample(train)
-        sampled: list[Tensor] = []
+        params: list[Tensor] = []
         noise: list[Tensor] = []
         for index, group in enumerate(self.param_groups):
-            params = self._active(group)
-            if not params:
+            t = self._tensors(index, group)
+            if t is None:
                 continue
-            self._ensure_state(group, params)
-            G = self._group_of(group)
-            bufs = [self._buffer(p, "noise", G.base_shape(p.shape)) for p in params]
-            xi = self.noise_source.sample(bufs, group["base"], params, index)
-            noise += self._draw(group, params, xi)
-            sampled += params
-        return Sample(sampled, sampled, noise)
+            xi = self.noise_source.sample(t.noise, group["base"], t.params, index)
+            noise += self._draw(group, t, xi)
+            params += t.params
+        return Sample(params, params, noise)
 
     @torch.no_grad()
     def accumulate(
@@ -208,114 +196,87 @@ class BLROptimizer(GroupStateOptimizer):
             grads: ∇ℓ̄ at the sample per parameter of ``sample.params`` (default: each
                 ``p.grad``); parameters with no gradient are left out of this sample.
             defer: keep references to the gradients and the sample's noise and read them
-                later: at the next :meth:`draw` or :meth:`accumulate`, or, for the first
-                sample of a step, in the update itself (a one-sample step then reads them
-                once instead of writing and re-reading an accumulator). What
-                :meth:`step` with a closure and :func:`~liegroup_blr.mc.mc_step` do. A
-                gradient changed in place before it is read raises ``RuntimeError``.
+                later: at the next :meth:`draw` or :meth:`accumulate`, or in the update
+                itself (a one-sample step then reads them once instead of writing and
+                re-reading an accumulator, and a ``GradScaler.step`` that drives the update
+                unscales them). What :meth:`step` with a closure, ``sampled_params(train=True)``
+                and :func:`~liegroup_blr.mc.mc_step` do. A gradient changed in place before
+                it is read raises ``RuntimeError``.
         """
-        self._settle()
-        defer = defer and not self._pending  # only the first sample of a step waits
+        self._accumulate_sample(sample, grads, defer)
+        self._fresh_gradients()  # the engine has seen them: not made outside a step
+
+    def _accumulate_sample(
+        self, sample: Sample, grads: list[Tensor | None] | None, defer: bool
+    ) -> None:
+        engine = self._engine
+        if engine.deferred:
+            self._accumulate_deferred()
         grads = [p.grad for p in sample.params] if grads is None else grads
         at = {p: i for i, p in enumerate(sample.params)}
-        inv_scale = inverse_scale(self.grad_scaler)
-        for group in self.param_groups:
-            idx = [at[p] for p in self._active(group) if p in at and grads[at[p]] is not None]
-            if not idx:
+        for index, group in enumerate(self.param_groups):
+            t = engine.tensors.get(index) or self._tensors(index, group)  # gathered by the draw
+            if t is None:
                 continue
-            G = self._group_of(group)
+            idx = [at.get(p, -1) for p in t.params]
+            has = [i >= 0 and grads[i] is not None for i in idx]
             for first in (True, False):
-                part = [i for i in idx if (sample.params[i] not in self._pending) == first]
-                if not part:
+                keep = [
+                    h and (p not in engine.pending) == first
+                    for h, p in zip(has, t.params, strict=True)
+                ]
+                if not any(keep):
                     continue
-                params = [sample.params[i] for i in part]
-                for p in params:
-                    self._buffer(p, "acc", G.algebra_shape(p.shape))
-                total = self._loss_gradients(
-                    group,
-                    params,
-                    [grads[i] for i in part],  # type: ignore[misc]
-                    [sample.theta[i] for i in part],
-                    inv_scale,
-                )
-                noise = [sample.noise[i] for i in part]
-                if defer:  # then every parameter is on its first sample
-                    versions = [t._version for t in total]
-                    self._deferred[id(group)] = Deferred(params, noise, total, versions)
+                part = t if all(keep) else t.subset(keep)
+                rows = [i for i, k in zip(idx, keep, strict=True) if k]
+                raw = cast(list[Tensor], [grads[i] for i in rows])
+                decay = None
+                if group["prior_precision"]:  # (δ/N)θ while θ is the sample's
+                    (decay,) = self._scratch.take(part.params, grad=torch.Size)
+                    torch._foreach_copy_(decay, [sample.theta[i] for i in rows])
+                    torch._foreach_mul_(decay, group["prior_precision"] / group["data_size"])
+                deferred = Deferred(part, [sample.noise[i] for i in rows], raw, decay, first)
+                if defer:
+                    deferred.versions = [g._version for g in raw]
+                    engine.deferred[index] = deferred
                 else:
-                    self._accumulate(group, params, noise, total, first)
-            self._pending.update(dict.fromkeys(sample.params[i] for i in idx))
-        self._samples += 1
+                    total = deferred.gradients(inverse_scale(self), self._scratch)
+                    self._accumulate(group, part, deferred.noise, total, first)
+            engine.pending.update(dict.fromkeys(p for p, h in zip(t.params, has, strict=True) if h))
+        engine.samples += 1
 
-    def _settle(self) -> None:
-        """Accumulate the deferred sample now (the first of its parameters)."""
-        if not self._deferred:
-            return
+    def _take_deferred(self, index: int) -> Deferred | None:
+        """Param group ``index``'s deferred sample, removed from the pending step; checked."""
+        deferred = self._engine.deferred.pop(index, None)
+        if deferred is not None and any(
+            g._version != v for g, v in zip(deferred.raw, deferred.versions, strict=True)
+        ):
+            self.discard()
+            raise RuntimeError(
+                "a gradient was changed in place before the optimizer read it (accumulate("
+                "defer=True), a sampled_params(train=True) block); the pending samples are "
+                "discarded: change gradients inside the block, or use between_steps='sample', "
+                "whose step() reads p.grad as it finds it"
+            )
+        return deferred
+
+    def _fresh_gradients(self) -> list[Tensor]:
+        """The gradients of trained parameters made or changed since the engine last looked,
+        remembered now: by a weak reference (a new tensor where a freed one was is not
+        taken for it) and the version counter (every in-place change bumps it). A parameter
+        the engine never looked at (added later, or in a copy) is only remembered."""
+        marks, fresh = self._engine.marks, []
         for group in self.param_groups:
-            sample = self._take_deferred(group)
-            if sample is not None:
-                self._accumulate(group, sample.params, sample.noise, sample.grads, True)
-
-    def _take_deferred(self, group: dict[str, Any]) -> Deferred | None:
-        """The deferred sample of ``group`` (removed from the pending ones), checked."""
-        sample = self._deferred.pop(id(group), None)
-        if sample is not None:
-            try:
-                sample.check()
-            except RuntimeError:
-                self.discard()
-                raise
-        return sample
-
-    def _loss_gradients(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        theta: list[Tensor],
-        inv_scale: float,
-    ) -> list[Tensor]:
-        r""":math:`\nabla\bar\ell_\delta = \nabla\bar\ell + \frac{\delta}{N}\theta` at the
-        sample (the loss gradient unscaled by ``1/s`` of a GradScaler); ``p.grad`` itself
-        when nothing is added, never written to."""
-        decay = group["prior_precision"] / group["data_size"] if group["prior_precision"] else 0
-        if not decay and inv_scale == 1.0:
-            return grads
-        out = [self._buffer(p, "grad", p.shape) for p in params]
-        return loss_gradients(grads, theta, out, inv_scale, decay)
-
-    def _forget(self) -> None:
-        self._deferred.clear()
-        self._pending.clear()
-        self._samples = 0
-        self.noise_source.end_step()
-
-    @torch.no_grad()
-    def discard(self) -> None:
-        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
-        point estimates again."""
-        self._forget()
-        self.restore()
-
-    @contextmanager
-    def sampled_params(self, train: bool = False) -> Iterator[None]:
-        """Hold one posterior sample θ = readout(g·ξ) in the parameters for the block.
-
-        With ``train=True`` the gradients the block leaves in ``p.grad`` are accumulated as one
-        Monte-Carlo sample of the next :meth:`step` (call ``zero_grad`` inside each block). On
-        exit, also on error, the parameters return to the point estimate.
-        """
-        if self._sampling:
-            raise RuntimeError("sampled_params blocks cannot be nested")
-        self._sampling = True
-        try:
-            sample = self.draw(train)
-            yield
-            if train:
-                self.accumulate(sample)
-        finally:
-            self._sampling = False
-            self.restore()
+            for p in group["params"]:
+                g = p.grad
+                version = -1 if g is None else g._version
+                mark = marks.get(p)
+                if not p.requires_grad or (mark and mark[0]() is g and mark[1] == version):
+                    continue
+                marks[p] = (_GONE if g is None else weakref.ref(g), version)  # type: ignore[assignment]
+                if g is not None and mark is not None:
+                    fresh.append(g)
+        return fresh
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -325,8 +286,11 @@ class BLROptimizer(GroupStateOptimizer):
         Args:
             closure: zeroes the gradients, evaluates the loss ℓ̄, calls ``backward`` and
                 returns the loss (or ``None``); called ``mc_samples`` times, each at a fresh
-                sample θ. Without a closure, the samples accumulated by
-                ``sampled_params(train=True)`` blocks (or :meth:`accumulate`) are used.
+                sample θ (with ``between_steps="sample"`` the first is the sample the
+                parameters hold). Without a closure: the samples of
+                ``sampled_params(train=True)`` blocks (or :meth:`accumulate`), or, with
+                ``between_steps="sample"``, ``p.grad`` as the gradient at the parameters'
+                sample.
 
         Returns:
             the mean closure loss over samples (``None`` without a closure or when the
@@ -335,99 +299,150 @@ class BLROptimizer(GroupStateOptimizer):
         A non-finite loss or algebra gradient skips the update with a ``RuntimeWarning``:
         group elements and momenta are left exactly as they were (``skipped_steps`` counts).
         An exception in the closure abandons the step: nothing is accumulated and the
-        parameters hold the point estimate again.
+        parameters hold the point estimate again (a fresh sample in sample mode). Driven
+        by ``GradScaler.step(optimizer)``, a step whose gradients hold an inf is skipped
+        (the scaler backs off) and the loss scale is taken off the gradients.
         """
-        if self._sampling:
-            raise RuntimeError("step() cannot be called inside sampled_params()")
+        engine = self._engine
+        if engine.holding:
+            raise RuntimeError(f"step() cannot be called inside {engine.holding}()")
+        inv_scale, found_inf = scaler_step(self, closure)
         loss = None
         if closure is not None:
-            losses = []
-            try:
-                for _ in range(self.mc_samples):
-                    sample = self.draw(train=True)
-                    with torch.enable_grad():
-                        value = closure()
-                    self.accumulate(sample, defer=True)
-                    losses.append(value.detach() if isinstance(value, Tensor) else value)
-            except BaseException:
-                self.discard()
-                raise
-            if all(v is not None for v in losses):
-                loss = sum(losses) / len(losses)
-        elif self._samples == 0:
+            loss = self._closure_samples(closure)
+        elif self.between_steps == "sample" and not engine.samples:
+            self._read_resident()
+        elif not engine.samples:
             raise RuntimeError(
                 "step() without a closure needs gradients from at least one "
-                "`with optimizer.sampled_params(train=True):` block"
+                "`with optimizer.sampled_params(train=True):` block; to step on p.grad as "
+                "torch.optim does (Hugging Face Trainer, accelerate, gradient accumulation), "
+                "construct the optimizer with between_steps='sample'"
             )
         finite = loss is None or bool(torch.isfinite(torch.as_tensor(loss)).all())
-        self._update(finite and not scaler_found_inf(self))
+        self._update(finite and not found_inf, inv_scale)
         return loss
 
-    def _update(self, finite: bool) -> None:
-        n = self._samples
-        work = [(g, [p for p in self._active(g) if p in self._pending]) for g in self.param_groups]
-        work = [(g, params) for g, params in work if params]
+    def _closure_samples(self, closure: Callable[[], Any]) -> Any:
+        """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
+        engine = self._engine
+        fresh = self._fresh_gradients()
+        made_outside = bool(fresh) and bool(
+            torch.stack([g.abs().amax() for g in fresh]).gt(0).any()
+        )
+        if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
+            self._refuse_outside_gradients()
+        losses = []
+        try:
+            for s in range(self.mc_samples):
+                rng = self.noise_source.state_dict() if engine.samples else None
+                sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
+                with torch.enable_grad():
+                    value = closure()
+                if self._fresh_gradients() or (s == 0 and made_outside):
+                    self._accumulate_sample(sample, None, defer=True)
+                    losses.append(value.detach() if isinstance(value, Tensor) else value)
+                elif rng is not None:  # a closure that made no gradient takes no sample (a
+                    self.noise_source.load_state_dict(rng)  # do-nothing one after blocks)
+        except BaseException:
+            self.discard()
+            raise
+        return sum(losses) / len(losses) if losses and None not in losses else None
+
+    def _update(self, finite: bool, inv_scale: float) -> None:
+        """Propose every param group's update from the pending samples, check, and commit
+        all of them or skip; then the parameters hold the point estimates (or, with
+        ``between_steps="sample"``, the next sample)."""
+        engine = self._engine
+        work: list[tuple[int, dict[str, Any], GroupTensors]] = []  # parameters with samples
+        for index, t in engine.tensors.items():
+            keep = [p.requires_grad and p in engine.pending for p in t.params]
+            if any(keep):
+                work.append((index, self.param_groups[index], t if all(keep) else t.subset(keep)))
+        n = engine.samples
         if self.process_group is not None:
-            self._settle()
-            accumulators = [a for _, params in work for a in self._accumulators(params)]
-            n, finite = all_reduce_accumulators(accumulators, n, finite, self.process_group)
-        tensors: list[Tensor] = []
-        sums: list[Tensor] = []
-        for group, params in work if finite else []:
-            proposal = self._propose(group, params, n, self._deferred_of(group, params))
+            self._accumulate_deferred()
+            accs = [a for _, _, t in work for a in t.accs]
+            n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
+        drawn = dict(engine.tensors)
+        fused = self.compile and self.noise_source.kind in self.draws_in_update
+        fused = started = (
+            fused and self.between_steps == "sample" and n == 1 and len(work) == len(drawn)
+        )
+        if started:
+            self._start_next_sample()
+        proposals: list[Proposal] = []
+        for index, group, t in work if finite else []:
+            deferred, sample = self._take_deferred(index), None
+            if deferred is not None:  # the gradients as the step sees them
+                grads = deferred.raw
+                if deferred.decay is not None or inv_scale != 1.0:
+                    grads = deferred.gradients(inv_scale, self._scratch)
+                if deferred.first and (deferred.tensors is t or _same(deferred.tensors, t)):
+                    sample = deferred.noise, grads  # the step's one sample
+                else:  # e.g. a parameter frozen between accumulate and step
+                    self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
+            prior = None if engine.prior is None else engine.prior.gradients(self, group, t)
+            fused = fused and sample is not None and t is drawn[index]
+            if fused:
+                self._next_noise(index, group, t, sample[0])  # type: ignore[index]
+            proposal = self._propose(group, t, n, sample, prior, fused)
             if proposal is None:
-                finite = False
                 break
-            tensors += proposal.tensors
-            sums += proposal.sums or [t.sum() for t in proposal.tensors]
-        moved: set[Tensor] = set()
-        if finite and all_finite(tensors, sums):
-            for group, params in work:
-                self._swap(params, "momentum", "acc")  # the old momenta become scratch
-                self._commit(group, params)
-                moved.update(params)
+            proposals.append(proposal)
+        checked = [t for proposal in proposals for t in proposal.checked]
+        sums = [s for pr in proposals for s in (pr.sums or [t.sum() for t in pr.checked])]
+        moved = len(proposals) == len(work) and finite and all_finite(checked, sums)
+        if moved:
+            for (_, _, t), proposal in zip(work, proposals, strict=True):
+                states = [self.state[p] for p in t.params]  # the new momenta take the old
+                self._scratch.swap(states, t.params, "momentum", "acc")  # ones' place
+                if proposal.commit is None:  # moved into the spares by the proposal
+                    self._scratch.swap(states, t.params, "element", "spare")
+                else:
+                    proposal.commit()
+            engine.consecutive = 0
         elif work:
             self._skip()
-        if moved:
-            self._consecutive_skips = 0
-        record_finite(self.grad_scaler, bool(moved) or not work)
-        self._forget()
-        for group in self.param_groups:  # the rest may still hold a sample
-            rest = [p for p in self._active(group) if p not in moved and p in self.state]
-            if rest:
-                self._write_point(group, rest)
-
-    def _deferred_of(self, group: dict[str, Any], params: list[Tensor]) -> Deferred | None:
-        """The deferred sample of ``group`` if it covers exactly ``params`` (else it is
-        accumulated, e.g. after a parameter was frozen between accumulate and step)."""
-        sample = self._take_deferred(group)
-        if sample is None or [id(p) for p in sample.params] == [id(p) for p in params]:
-            return sample
-        self._accumulate(group, sample.params, sample.noise, sample.grads, True)
-        return None
+        if self.grad_scaler is not None:
+            record_finite(self.grad_scaler, moved or not work)
+        engine.end_step()
+        if self.between_steps == "sample":
+            self._hold_next_sample(drawn, started, fused and moved)
+            return
+        self.noise_source.end_step()
+        if len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
+            self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
 
     def _skip(self) -> None:
-        """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
-        ``max_consecutive_skips`` in a row."""
-        self.skipped_steps += 1
-        self._consecutive_skips += 1
-        row = self._consecutive_skips
-        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
-            warnings.warn(
-                f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
-                f"optimizer state unchanged ({row} in a row, {self.skipped_steps} in all)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        """Count a skipped step; unless a GradScaler is calibrating its scale (a skip it
+        expects), warn and raise after ``max_consecutive_skips`` in a row."""
+        engine = self._engine
+        engine.skipped += 1
+        if "found_inf" in vars(self) or (self.grad_scaler and self.grad_scaler.is_enabled()):
+            return
+        engine.consecutive += 1
+        row = engine.consecutive
+        warnings.warn(
+            f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
+            f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         if self.max_consecutive_skips is not None and row >= self.max_consecutive_skips:
             raise FloatingPointError(
                 f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "
                 "(max_consecutive_skips): the run has diverged; lower the learning rate"
             )
 
-    # ------------------------------------------------------------ distribution
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        """Give every process rank 0's initial elements (and parameters)."""
-        broadcast_elements([s["element"] for s in self.state.values()], self.process_group)
-        self.restore()
+
+class _Gone:
+    """Weak references to a missing gradient point here: nowhere."""
+
+
+_GONE = weakref.ref(_Gone())
+
+
+def _same(a: GroupTensors, b: GroupTensors) -> bool:
+    """Whether ``a`` and ``b`` hold the same parameters."""
+    return a is b or [id(p) for p in a.params] == [id(p) for p in b.params]

@@ -11,7 +11,7 @@ from ..distributions import check_base
 from ..groups import LieGroup
 from ..noise import symmetric_centre
 
-__all__ = ["check_count", "check_hyperparameters", "check_number"]
+__all__ = ["check_choice", "check_count", "check_hyperparameters", "check_number"]
 
 
 def check_number(hp: dict[str, Any], key: str, low: float, high: float = math.inf, *, closed=True):
@@ -31,6 +31,12 @@ def check_count(key: str, value: Any) -> None:
     """Check that ``value`` is an integer ≥ 1; ValueError naming ``key``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{key}: must be an integer ≥ 1, got {value!r}")
+
+
+def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Check that ``value`` is one of ``choices``; ValueError naming ``key``."""
+    if value not in choices:
+        raise ValueError(f"{key}: must be one of {choices}, got {value!r}")
 
 
 def check_hyperparameters(

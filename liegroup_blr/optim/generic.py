@@ -8,6 +8,10 @@ r"""The Lie-group Bayesian learning rule for any group, by automatic differentia
 with :math:`\theta_s(X) = \operatorname{readout}((g \exp X) \cdot \xi_s)`; the algebra
 gradient is a ``torch.func.vjp`` through the group's ``exp``, ``compose`` and ``act``, the
 entropy gradient a ``torch.func.grad`` of ``log_abs_det``. P is the preconditioner.
+
+Read top to bottom: the class (hyperparameters, initial state, the preconditioners and entropy
+gradients it caches), the kernels written with the group's operations, and :func:`generic`,
+the update, eager or compiled.
 """
 
 from __future__ import annotations
@@ -19,65 +23,30 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributions import Distribution
+from typing_extensions import Unpack
 
 from ..fisher import algebra_gradient, entropy_gradient, inverse_metric
 from ..groups import LieGroup
 from .base import BLROptimizer
-from .kernels import Proposal
-from .sample import Deferred
-from .state import state_dtype
+from .kernel_utils import compiled
+from .options import EngineOptions
+from .scratch import state_dtype
+from .tensors import GroupTensors, Proposal, SampleGrads
 
-__all__ = ["LieGroupBLR", "Preconditioner"]
+__all__ = [
+    "LieGroupBLR",
+    "Preconditioner",
+    "generic",
+    "generic_accumulate",
+    "generic_draw",
+    "generic_update",
+]
 
 Preconditioner = (
     str | Sequence[float] | Mapping[str, float] | Tensor | Callable[[Tensor], Tensor] | None
 )
 """``None``, ``"fisher"``, per-component factors (a sequence, or a mapping from the group's
 component names), or a callable ``X -> P(X)``."""
-
-
-def generic_draw(
-    G: LieGroup, elements: list[Tensor], noise: list[Tensor], params: list[Tensor]
-) -> None:
-    """θ = readout(g·ξ)."""
-    for g, xi, p in zip(elements, noise, params, strict=True):
-        p.copy_(G.readout(G.act(g, xi)))
-
-
-def generic_accumulate(
-    G: LieGroup,
-    accs: list[Tensor],
-    elements: list[Tensor],
-    noise: list[Tensor],
-    grads: list[Tensor],
-) -> None:
-    """acc += ∇_X ℓ̄_δ(readout((g exp X)·ξ))|_{X=0} (a vector-Jacobian product)."""
-    for acc, g, xi, grad in zip(accs, elements, noise, grads, strict=True):
-        acc.add_(algebra_gradient(G, g, xi, grad))
-
-
-def generic_propose(
-    G: LieGroup,
-    accs: list[Tensor],
-    momenta: list[Tensor],
-    elements: list[Tensor],
-    entropy: list[Tensor | None],
-    preconditioners: list[Callable[[Tensor], Tensor]],
-    n: int,
-    beta: float,
-    entropy_weight: float,
-    lr: float | Tensor,
-) -> list[Tensor]:
-    """acc ← β M + (1 − β) P(acc/n − (τ/N)∇H); returns the proposed g·exp(−α acc).
-    ``entropy`` holds ∇H per tensor, ``None`` where the weight τ/N is 0."""
-    proposals = []
-    for acc, m, g, h, precondition in zip(
-        accs, momenta, elements, entropy, preconditioners, strict=True
-    ):
-        X = acc / n if h is None else torch.sub(acc / n, h, alpha=entropy_weight)
-        acc.copy_(torch.lerp(precondition(X), m, beta))
-        proposals.append(G.step(g, acc * -lr))
-    return proposals
 
 
 class LieGroupBLR(BLROptimizer):
@@ -128,9 +97,7 @@ class LieGroupBLR(BLROptimizer):
             (default ``group.from_point``); it must return a valid element.
         point_estimate: ``"g"`` or ``"mean"`` (see above).
 
-    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
-    :class:`~liegroup_blr.optim.BLROptimizer`.
+        **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
 
     Raises:
         ValueError: naming the argument, for any invalid hyperparameter.
@@ -151,14 +118,7 @@ class LieGroupBLR(BLROptimizer):
         preconditioner: Preconditioner = None,
         init: Callable[[Tensor], Tensor] | None = None,
         point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
-        compile: bool = False,
-        process_group: Any = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        max_consecutive_skips: int | None = None,
+        **engine: Unpack[EngineOptions],
     ) -> None:
         self.init = init
         self.preconditioner = preconditioner
@@ -172,30 +132,17 @@ class LieGroupBLR(BLROptimizer):
             prior_precision=prior_precision,
         )
         super().__init__(
-            params,
-            defaults,
-            group,
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-            compile=compile,
-            process_group=process_group,
-            grad_scaler=grad_scaler,
-            max_consecutive_skips=max_consecutive_skips,
+            params, defaults, group, mc_samples=mc_samples, point_estimate=point_estimate, **engine
         )
 
-    # ----------------------------------------------------------- validation
-    def _validate(self, hp: dict[str, Any]) -> None:
-        G = hp.get("group", self.lie_group)
+    groups_per_param_group = True
+
+    def _validate(self, options: dict[str, Any]) -> None:
+        G = options.get("group", self.lie_group)
         if not isinstance(G, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {G!r}")
-        super()._validate(hp)
+        super()._validate(options)
         check_preconditioner(self.preconditioner, G)
-
-    groups_per_param_group = True
 
     def _group_of(self, group: dict[str, Any]) -> LieGroup:
         return group.get("group", self.lie_group)
@@ -206,7 +153,7 @@ class LieGroupBLR(BLROptimizer):
         return f"{super()._describe(group)}, preconditioner={kind!r}"
 
     # ------------------------------------------------------------ the rule
-    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         G = self._group_of(group)
         theta = p.detach().to(state_dtype(p))
         element = (self.init(theta) if self.init else G.from_point(theta)).to(theta).clone()
@@ -217,59 +164,43 @@ class LieGroupBLR(BLROptimizer):
             raise ValueError(f"init: returned an invalid element: {reason}")
         return {"element": element, "momentum": theta.new_zeros(G.algebra_shape(p.shape))}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        elements = self._gather(params, "element")
-        self._kernel(generic_draw)(self._group_of(group), elements, xi, params)
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        generic_draw(self._group_of(group), t.elements, xi, t.params)
         return xi
 
-    def _accumulate(self, group, params, noise, grads, first) -> None:
-        elements = self._gather(params, "element")
-        G, accs = self._group_of(group), self._accumulators(params)
-        if first:
-            torch._foreach_zero_(accs)
-        self._kernel(generic_accumulate)(G, accs, elements, noise, grads)
+    def _accumulate(self, group, t, noise, grads, first) -> None:
+        generic_accumulate(self._group_of(group), t.accs, t.elements, noise, grads, first=first)
 
-    def _propose(
-        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
-    ) -> Proposal | None:
-        if sample is not None:
-            self._accumulate(group, params, sample.noise, sample.grads, True)
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal | None:
         G = self._group_of(group)
         weight = 0.0 if G.constant_entropy else group["temperature"]
         weight = weight / group["data_size"] if weight else 0.0
-        accs, elements = self._accumulators(params), self._gather(params, "element")
-        proposals = self._kernel(generic_propose)(
-            G,
-            accs,
-            self._gather(params, "momentum"),
-            elements,
-            [self._entropy_gradient(group, p) if weight else None for p in params],
-            [self._precondition(group, p) for p in params],
-            n,
-            group["momentum"],
-            weight,
-            self._rate(group),
+        offsets: list[Tensor | float] = (
+            [torch.mul(self._entropy_gradient(group, p), -weight) for p in t.params]
+            if prior is None and weight
+            else prior or [0.0] * len(t.params)
         )
-        for p, proposal in zip(params, proposals, strict=True):
-            if not G.check_element(proposal)[0]:
-                return None
-            self._scratch[p]["proposal"] = proposal
-        return Proposal(accs + proposals)
+        return generic(
+            G,
+            t,
+            sample,
+            offsets,
+            [self._precondition(group, p) for p in t.params],
+            n=n,
+            beta=group["momentum"],
+            lr=group["lr"],
+            reference=[self._reference(group, p, t.mean) for p in t.params],
+            compile=self.compile,
+        )
 
-    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        for p in params:
-            self.state[p]["element"].copy_(self._scratch[p].pop("proposal"))
-        self._write_point(group, params)
-
-    def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
+    def _write_point(self, group, params, elements, mean) -> None:
         G = self._group_of(group)
-        for p in params:
-            p.copy_(G.point_estimate(self.state[p]["element"], self._reference(group, p)))
+        points = [self._reference(group, p, mean) for p in params]
+        generic_readout_(G, params, elements, points)
 
-    def _reference(self, group: dict[str, Any], p: Tensor) -> Tensor:
-        """ξ₀ at which the point estimate is read."""
+    def _reference(self, group: dict[str, Any], p: Tensor, mean: float | None) -> Tensor:
+        """ξ₀ at which the point estimate is read: E[ξ] when ``mean`` is given."""
         G, dtype = self._group_of(group), state_dtype(p)
-        mean = self._mean(group)
         if mean is not None:
             return torch.full(G.base_shape(p.shape), mean, dtype=dtype, device=p.device)
         return G.reference_point(p.shape, dtype=dtype, device=p.device)
@@ -294,7 +225,6 @@ class LieGroupBLR(BLROptimizer):
             self._metrics[key] = make()
         return self._metrics[key]
 
-    # ------------------------------------------------------ preconditioning
     def _precondition(self, group: dict[str, Any], p: Tensor) -> Callable[[Tensor], Tensor]:
         """P for parameter ``p`` of ``group`` (made once per group, base and shape)."""
         spec, G = self.preconditioner, self._group_of(group)
@@ -310,6 +240,11 @@ class LieGroupBLR(BLROptimizer):
             return partial(_scale_components, factors=component_factors(spec, G))
 
         return self._cached("preconditioner", group, p, make)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_metrics"] = {}  # cached preconditioners: rebuilt from the seed on use
+        return state
 
 
 def _identity(X: Tensor) -> Tensor:
@@ -351,3 +286,101 @@ def check_preconditioner(spec: Preconditioner, G: LieGroup) -> None:
             raise ValueError(f"preconditioner: unknown {spec!r}; use None, 'fisher', ...")
         return
     component_factors(spec, G)
+
+
+# ------------------------------------------------------------------ the kernels
+def generic_draw(
+    G: LieGroup, elements: list[Tensor], xi: list[Tensor], params: list[Tensor]
+) -> None:
+    """θ = readout(g·ξ)."""
+    for g, x, p in zip(elements, xi, params, strict=True):
+        p.copy_(G.readout(G.act(g, x)))
+
+
+def generic_accumulate(
+    G: LieGroup,
+    accs: list[Tensor],
+    elements: list[Tensor],
+    noise: list[Tensor],
+    grads: list[Tensor],
+    *,
+    first: bool,
+) -> None:
+    """acc (+)= ∇_X ℓ̄_δ(readout((g exp X)·ξ))|_{X=0} (a vector-Jacobian product)."""
+    for acc, g, xi, grad in zip(accs, elements, noise, grads, strict=True):
+        X = algebra_gradient(G, g, xi, grad)
+        if first:
+            acc.copy_(X)
+        else:
+            acc.add_(X)
+
+
+def generic_readout_(
+    G: LieGroup, params: list[Tensor], elements: list[Tensor], points: list[Tensor]
+) -> None:
+    """θ ← readout(g · ξ₀), the point estimate at the base points ``points``."""
+    for p, g, xi0 in zip(params, elements, points, strict=True):
+        p.copy_(G.point_estimate(g, xi0))
+
+
+def generic_update(
+    G: LieGroup,
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    elements: list[Tensor],
+    sample: SampleGrads | None,
+    offsets: list[Tensor | float],
+    preconditioners: list[Callable[[Tensor], Tensor]],
+    *,
+    n: int,
+    beta: float,
+    lr: float | Tensor,
+) -> list[Tensor]:
+    """acc ← β M + (1 − β) P(acc/n + c), with acc the algebra gradient of a deferred ``sample``
+    (ξ, ∇ℓ̄_δ) when there is one and c per tensor the entropy's −(τ/N)∇H or a prior's
+    (τ/N)∇KL; returns the proposed g·exp(−α acc)."""
+    if sample is not None:
+        generic_accumulate(G, accs, elements, *sample, first=True)
+    proposals = []
+    for acc, m, g, c, precondition in zip(
+        accs, momenta, elements, offsets, preconditioners, strict=True
+    ):
+        acc.copy_(torch.lerp(precondition(acc / n + c), m, beta))
+        proposals.append(G.step(g, acc * -lr))
+    return proposals
+
+
+def _generic_commit(
+    G: LieGroup, t: GroupTensors, moved: list[Tensor], points: list[Tensor]
+) -> None:
+    torch._foreach_copy_(t.elements, moved)
+    generic_readout_(G, t.params, t.elements, points)
+
+
+def generic(
+    G: LieGroup,
+    t: GroupTensors,
+    sample: SampleGrads | None,
+    offsets: list[Tensor | float],
+    preconditioners: list[Callable[[Tensor], Tensor]],
+    *,
+    n: int,
+    beta: float,
+    lr: float,
+    reference: list[Tensor],
+    compile: bool,
+) -> Proposal | None:
+    """The generic rule's update of a param group (:func:`generic_update`, compiled under
+    ``compile``); ``None`` rejects the step when a proposed element is not a valid one of
+    ``G`` (``check_element``); the point estimates are read at ``reference``."""
+    rate: float | Tensor = lr
+    kernel = generic_update
+    if compile:
+        kernel = compiled(generic_update)
+        rate = torch.tensor(lr, dtype=t.elements[0].dtype)  # schedules do not recompile
+    moved = kernel(
+        G, t.accs, t.momenta, t.elements, sample, offsets, preconditioners, n=n, beta=beta, lr=rate
+    )
+    if not all(G.check_element(g)[0] for g in moved):
+        return None
+    return Proposal(t.accs + moved, commit=partial(_generic_commit, G, t, moved, reference))

@@ -1,179 +1,53 @@
 r"""The multiplicative rule: positive scalings, with excitatory/inhibitory parts.
 
 Each weight is :math:`\theta = g^+\xi^+ - g^-\xi^-` (``signed``) or :math:`g\xi`; elements,
-momenta, accumulators and noise of a signed parameter stack the two parts, shape (2, …).
+momenta and accumulators of a signed parameter stack the two parts, shape (2, …), and so does
+what a sample keeps of its draw, the products :math:`w = g \odot \xi`.
 
 .. math::
-    \hat X^\pm = \pm\frac1S \sum_s \nabla\bar\ell_\delta(\theta_s) \odot g^\pm \xi^\pm_s
+    \hat X^\pm = \pm\frac1S \sum_s \nabla\bar\ell_\delta(\theta_s) \odot w^\pm_s
                  - \frac{\tau}{N}, \qquad
     M^\pm \leftarrow \beta M^\pm + (1-\beta)\hat X^\pm, \qquad
     g^\pm \leftarrow g^\pm \odot e^{-\alpha M^\pm}.
 
-The kernels act on explicit tensor lists one tensor at a time: in place for eager steps,
-and :func:`multiplicative_update`, what ``compile=True`` runs, over the rows of each tensor
-(one loop per parameter).
+The class holds the hyperparameters and the initial state; below it the formulas, their
+in-place twins for eager steps, and the dispatcher :func:`multiplicative` at the end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution
+from typing_extensions import Unpack
 
 from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
 from .base import BLROptimizer
 from .checks import check_number
-from .kernels import LOG2E, Parts, Proposal, compiled, parts
-from .sample import Deferred
-from .state import state_dtype
+from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
+from .options import EngineOptions
+from .scratch import state_dtype
+from .tensors import GroupTensors, Proposal, SampleGrads
 
 __all__ = [
     "MultiplicativeBLR",
+    "multiplicative",
     "multiplicative_accumulate",
-    "multiplicative_commit_",
     "multiplicative_draw",
-    "multiplicative_noise",
-    "multiplicative_propose",
+    "multiplicative_momentum_",
+    "multiplicative_move",
+    "multiplicative_move_",
+    "multiplicative_readout",
+    "multiplicative_readout_",
     "multiplicative_update",
 ]
 
-INITS = ("reference", "keep")
-
-
-def _readout(p: Tensor, w: Tensor, signed: bool, mean: float | None = None) -> None:
-    """p ← w⁺ − w⁻ (or w), times E[ξ] when ``mean`` is given."""
-    if signed:
-        torch.sub(w[0], w[1], out=p)
-    else:
-        p.copy_(w)
-    if mean is not None:
-        p.mul_(mean)
-
-
-def multiplicative_noise(
-    elements: list[Tensor], xi: list[Tensor], out: list[Tensor], signed: bool
-) -> None:
-    """w = (g⁺ξ⁺, −g⁻ξ⁻) (or gξ) into ``out``: the signed noise an eager accumulation reads
-    (the sign: that of the − part's algebra gradient)."""
-    for g, x, w in zip(elements, xi, out, strict=True):
-        torch.mul(x, g, out=w)
-        if signed:
-            w[1].neg_()
-
-
-def multiplicative_draw(
-    elements: list[Tensor],
-    xi: list[Tensor],
-    params: list[Tensor],
-    signed: bool,
-    noise: list[Tensor] | None = None,
-) -> None:
-    """θ = g⁺ξ⁺ − g⁻ξ⁻ (or gξ); with ``noise``, as w⁺ + (−w⁻) from the signed noise
-    (:func:`multiplicative_noise`) kept there, else from ξ directly."""
-    if noise is not None:
-        multiplicative_noise(elements, xi, noise, signed)
-        for w, p in zip(noise, params, strict=True):
-            if signed:
-                torch.add(w[0], w[1], out=p)
-            else:
-                p.copy_(w)
-        return
-    for g, x, p in zip(elements, xi, params, strict=True):
-        if not signed:
-            torch.mul(g, x, out=p)
-        elif p.dtype == g.dtype:
-            torch.mul(g[0], x[0], out=p).addcmul_(g[1], x[1], value=-1)
-        else:  # a half-precision θ: rounded once, after the difference
-            p.copy_(torch.addcmul(g[0] * x[0], g[1], x[1], value=-1))
-
-
-def multiplicative_accumulate(
-    accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], first: bool
-) -> None:
-    """acc (+)= ∇ℓ̄_δ ⊙ (w⁺, −w⁻): the algebra gradient of one sample."""
-    for acc, w, grad in zip(accs, noise, grads, strict=True):
-        if first:
-            torch.mul(w, grad, out=acc)
-        else:
-            acc.addcmul_(w, grad)
-
-
-def multiplicative_propose(
-    accs: list[Tensor],
-    momenta: list[Tensor],
-    n: int,
-    beta: float,
-    shift: float,
-    sample: tuple[list[Tensor], list[Tensor]] | None = None,
-) -> None:
-    """acc ← β M + (1 − β)(acc/n − τ/N); with ``sample`` = (noise, grads) of a deferred
-    sample, acc = its :func:`multiplicative_accumulate` is made in the same pass."""
-    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
-        offset = acc.new_full((), -shift)
-        if sample is None:
-            torch.add(offset, acc, alpha=1.0 / n, out=acc)
-        else:
-            torch.addcmul(offset, sample[0][i], sample[1][i], value=1.0 / n, out=acc)
-        acc.lerp_(m, beta)
-
-
-def multiplicative_commit_(
-    elements: list[Tensor],
-    momenta: list[Tensor],
-    work: list[Tensor],
-    params: list[Tensor],
-    lr: float,
-    signed: bool,
-    mean: float | None,
-) -> None:
-    """g ← clamp(g ⊙ e^{−α M}) to [tiny, max] of the dtype (positive and finite for any
-    step: an overflowed factor gives max, an underflowed one tiny), θ ← point estimate, in
-    place, in the free buffers ``work`` (no allocation: large temporaries cost page faults on
-    every eager step); e^x is computed as 2^{x log₂e} (exp2 is several times faster than exp
-    on CPU)."""
-    for g, m, ws, p in zip(elements, momenta, work, params, strict=True):
-        info = torch.finfo(g.dtype)
-        torch.mul(m, -lr * LOG2E, out=ws)
-        g.mul_(ws.exp2_()).clamp_(info.tiny, info.max)
-        _readout(p, g, signed, mean)
-
-
-def multiplicative_update(
-    accs: list[Parts],
-    momenta: list[Parts],
-    elements: list[Parts],
-    out: list[Parts],
-    params: list[Tensor],
-    hp: tuple[int, float, float, float | Tensor, float | None],
-    sample: tuple[list[Parts], list[Tensor]] | None = None,
-) -> list[Tensor]:
-    """:func:`multiplicative_propose` then :func:`multiplicative_commit_` of the proposal into
-    ``out`` (``hp`` = n, β, τ/N, α, E[ξ]), in functional form over the parts (g⁺, g⁻) or (g,)
-    of each tensor (:func:`~liegroup_blr.optim.kernels.parts`): what ``compile=True`` runs,
-    one loop per parameter; a deferred ``sample`` is (ξ, grads), its w = ±g ⊙ ξ formed here.
-    Returns each new momentum's sum (not finite if any entry is not)."""
-    n, beta, shift, lr, mean = hp
-    sums = []
-    for i, (acc, m, g, o, p) in enumerate(zip(accs, momenta, elements, out, params, strict=True)):
-        info, news, moved = torch.finfo(g[0].dtype), [], []
-        for j in range(len(g)):
-            if sample is None:
-                x = acc[j]
-            else:  # w = (g⁺ξ⁺, −g⁻ξ⁻) times the gradient
-                x = g[j] * sample[0][i][j] * (-sample[1][i] if j else sample[1][i])
-            news.append(torch.lerp(x * (1.0 / n) - shift, m[j], beta))
-            moved.append((g[j] * torch.exp2(news[j] * (lr * -LOG2E))).clamp(info.tiny, info.max))
-        for j in range(len(g)):  # the writes after all reads: one loop under inductor
-            acc[j].copy_(news[j])
-            o[j].copy_(moved[j])
-        point = moved[0] - moved[1] if len(moved) == 2 else moved[0]
-        p.copy_(point if mean is None else point * mean)
-        sums.append(news[0].sum() + news[1].sum() if len(news) == 2 else news[0].sum())
-    return sums
+INITS = ("auto", "reference", "keep")
 
 
 class MultiplicativeBLR(BLROptimizer):
@@ -196,9 +70,13 @@ class MultiplicativeBLR(BLROptimizer):
     :math:`w^-` an independent-looking second draw of the same initialisation, made by a
     random permutation of its entries — this rewrites the weights. ``init="keep"`` keeps
     them (pretrained weights): :math:`g^\pm = \max(\pm\theta, 0) + \text{offset}`, so
-    :math:`g^+ - g^- = \theta`. The parameters hold :math:`g^+ - g^-` outside
-    :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` (``point_estimate="mean"``:
-    :math:`E[\xi](g^+ - g^-)`).
+    :math:`g^+ - g^- = \theta`. ``init="auto"`` (default) is ``"reference"``, except for a
+    tensor whose entries are all equal (a norm layer's weights, a constant bias): a
+    permutation of it is itself, so ``"reference"`` would give :math:`g^+ = g^-` and θ = 0;
+    such a tensor is kept (on tensors that are not constant, and on constant ones equal to 0,
+    ``"auto"`` and ``"reference"`` give the same elements). The parameters hold
+    :math:`g^+ - g^-` outside :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`
+    (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
 
     Args:
         params: parameters or param groups.
@@ -211,15 +89,14 @@ class MultiplicativeBLR(BLROptimizer):
         mc_samples: S ≥ 1.
         init_offset: offset > 0 added to :math:`|w^\pm|` at initialisation.
         signed: excitatory/inhibitory parts (default) or a single positive part.
-        init: ``"reference"`` or ``"keep"`` (see above).
+        init: ``"auto"``, ``"reference"`` or ``"keep"`` (see above).
         point_estimate: ``"g"`` or ``"mean"``.
-
-    The keyword-only ``seed``, ``noise``, ``antithetic``, ``table_size``, ``compile``,
-    ``process_group``, ``grad_scaler`` and ``max_consecutive_skips`` are those of
-    :class:`~liegroup_blr.optim.BLROptimizer`.
+        **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
     lie_group: MultiplicativeGroup
+
+    draws_in_update = ("fresh", "table")  # w = g ⊙ ξ is written either way
 
     def __init__(
         self,
@@ -234,20 +111,14 @@ class MultiplicativeBLR(BLROptimizer):
         init_offset: float = 1e-5,
         *,
         signed: bool = True,
-        init: str = "reference",
+        init: str = "auto",
         point_estimate: str = "g",
-        seed: int | None = None,
-        noise: str = "fresh",
-        antithetic: bool = False,
-        table_size: int | None = None,
-        compile: bool = False,
-        process_group: Any = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        max_consecutive_skips: int | None = None,
+        **engine: Unpack[EngineOptions],
     ) -> None:
         if init not in INITS:
             raise ValueError(f"init: must be one of {INITS}, got {init!r}")
         self.init = init
+        self.signed = signed
         self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
         defaults = dict(
             lr=lr,
@@ -264,80 +135,246 @@ class MultiplicativeBLR(BLROptimizer):
             MultiplicativeGroup(signed=signed),
             mc_samples=mc_samples,
             point_estimate=point_estimate,
-            seed=seed,
-            noise=noise,
-            antithetic=antithetic,
-            table_size=table_size,
-            compile=compile,
-            process_group=process_group,
-            grad_scaler=grad_scaler,
-            max_consecutive_skips=max_consecutive_skips,
+            **engine,
         )
 
-    def _validate(self, hp: dict[str, Any]) -> None:
-        super()._validate(hp)
-        check_number(hp, "init_offset", 0.0, closed=False)
+    def _validate(self, options: dict[str, Any]) -> None:
+        super()._validate(options)
+        check_number(options, "init_offset", 0.0, closed=False)
 
-    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         w = p.detach().to(state_dtype(p), copy=True)
-        signed, offset = self.lie_group.signed, group["init_offset"]
-        if self.init == "keep":
-            g = self.lie_group.from_point(w, offset) if signed else w.abs() + offset
+        offset = group["init_offset"]
+        flat = w.flatten()
+        keep = self.init == "keep" or (self.init == "auto" and bool((flat == flat[:1]).all()))
+        if self.signed and self.init != "keep":  # "auto" draws it too: the same stream
+            if self._permutations is None:
+                self._permutations = torch.Generator().manual_seed(self.seed + 1)
+            perm = torch.randperm(w.numel(), generator=self._permutations).to(w.device)
+            if not keep:
+                w = torch.stack((w, flat[perm].view_as(w)))
+        if keep and self.signed:
+            g = self.lie_group.from_point(w, offset)
         else:
-            if signed:
-                if self._permutations is None:
-                    self._permutations = torch.Generator().manual_seed(self.seed + 1)
-                perm = torch.randperm(w.numel(), generator=self._permutations).to(w.device)
-                w = torch.stack((w, w.flatten()[perm].view_as(w)))
             g = w.abs() + offset
         return {"element": g, "momentum": torch.zeros_like(g)}
 
-    def _draw(self, group: dict[str, Any], params: list[Tensor], xi: list[Tensor]) -> list[Tensor]:
-        """Eager steps keep the signed noise w; compiled steps keep ξ and form w in the update
-        (:func:`multiplicative_update`), a draw with no w to write."""
-        elements, signed = self._gather(params, "element"), self.lie_group.signed
-        if self.compile:
-            multiplicative_draw(elements, xi, params, signed)
-            return xi
-        w = [self._scratch[p]["noise"] for p in params]
-        multiplicative_draw(elements, xi, params, signed, w)
-        return w
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        multiplicative_draw(t.elements, xi, t.params, t.noise, signed=self.signed)
+        return t.noise
 
-    def _accumulate(self, group, params, noise, grads, first) -> None:
-        if self.compile:  # noise is ξ: w formed in the spares, free until the update
-            w = self._spares(params)
-            multiplicative_noise(self._gather(params, "element"), noise, w, self.lie_group.signed)
-            noise = w
-        multiplicative_accumulate(self._accumulators(params), noise, grads, first)
+    def _accumulate(self, group, t, noise, grads, first) -> None:
+        multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 
-    def _propose(
-        self, group: dict[str, Any], params: list[Tensor], n: int, sample: Deferred | None
-    ) -> Proposal:
-        accs, momenta = self._accumulators(params), self._gather(params, "momentum")
-        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
-        if not self.compile:
-            deferred = None if sample is None else (sample.noise, sample.grads)
-            multiplicative_propose(accs, momenta, n, group["momentum"], shift, deferred)
-            return Proposal(accs)
-        signed = self.lie_group.signed
-        hp = (n, group["momentum"], shift, self._rate(group), self._mean(group))
-        tensors = (accs, momenta, self._gather(params, "element"), self._spares(params))
-        rows = None if sample is None else (parts(sample.noise, signed), sample.grads)  # per step
-        sums = compiled(multiplicative_update)(
-            *(self._parts(params, ts, signed) for ts in tensors), params, hp, rows
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
+        entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+        return multiplicative(
+            t,
+            sample,
+            draw=draw,
+            n=n,
+            beta=group["momentum"],
+            offset=entropy if prior is None else prior,
+            lr=group["lr"],
+            signed=self.signed,
+            compile=self.compile,
         )
-        return Proposal(accs, sums)
 
-    def _commit(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        if self.compile:  # moved by the proposal
-            self._swap(params, "element", "spare")
-            return
-        elements, momenta = self._gather(params, "element"), self._gather(params, "momentum")
-        work = self._accumulators(params)  # the old momenta: free
-        signed, mean = self.lie_group.signed, self._mean(group)
-        multiplicative_commit_(elements, momenta, work, params, group["lr"], signed, mean)
+    def _write_point(self, group, params, elements, mean) -> None:
+        multiplicative_readout_(params, elements, mean=mean, signed=self.signed)
 
-    def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        mean, signed = self._mean(group), self.lie_group.signed
-        for g, p in zip(self._gather(params, "element"), params, strict=True):
-            _readout(p, g, signed, mean)
+
+# ------------------------------------------------------------------ the formulas
+def multiplicative_move(g: Tensor, m: Tensor, lr: float | Tensor) -> Tensor:
+    """g ⊙ e^{−α M}, clamped to [tiny, max] of the dtype (positive and finite for any step:
+    an overflowed factor gives max, an underflowed one tiny); e^x is computed as
+    2^{x log₂e}, several times faster than exp on CPU."""
+    info = torch.finfo(g.dtype)
+    return (g * torch.exp2(m * (lr * -LOG2E))).clamp(info.tiny, info.max)
+
+
+def multiplicative_readout(g: Rows, mean: float | None) -> Tensor:
+    """The point estimate g⁺ − g⁻ (or g) of the rows of an element, times E[ξ] under
+    ``point_estimate="mean"``."""
+    point = g[0] - g[1] if len(g) == 2 else g[0]
+    return point if mean is None else point * mean
+
+
+# ------------------------------------------------------------ eager, in place
+def multiplicative_draw(
+    elements: list[Tensor],
+    xi: list[Tensor],
+    params: list[Tensor],
+    noise: list[Tensor],
+    *,
+    signed: bool,
+) -> None:
+    """w = g ⊙ ξ into ``noise`` (what the sample keeps; ξ may be that buffer itself) and
+    θ = w⁺ − w⁻ (or w), the readout of w."""
+    for g, x, w in zip(elements, xi, noise, strict=True):
+        torch.mul(g, x, out=w)
+    multiplicative_readout_(params, noise, mean=None, signed=signed)
+
+
+def multiplicative_accumulate(
+    accs: list[Tensor], noise: list[Tensor], grads: list[Tensor], *, first: bool, signed: bool
+) -> None:
+    """acc (+)= (w⁺ ⊙ ∇ℓ̄_δ, −w⁻ ⊙ ∇ℓ̄_δ) (or w ⊙ ∇ℓ̄_δ): the algebra gradient of one sample."""
+    for acc, w, grad in zip(accs, noise, grads, strict=True):
+        if first:
+            torch.mul(w, grad, out=acc)
+            if signed:
+                acc[1].neg_()
+        elif signed:
+            acc[0].addcmul_(w[0], grad)
+            acc[1].addcmul_(w[1], grad, value=-1)
+        else:
+            acc.addcmul_(w, grad)
+
+
+def multiplicative_momentum_(
+    accs: list[Tensor],
+    momenta: list[Tensor],
+    *,
+    n: int,
+    beta: float,
+    offset: float | list[Tensor],
+    signed: bool,
+    sample: SampleGrads | None = None,
+) -> None:
+    """:func:`~.kernel_utils.momentum` in place, into the accumulators: acc ← β M + (1 − β)
+    (acc/n + c), c the entropy's −τ/N or a prior's ``offset`` per tensor; with ``sample`` =
+    (w, ∇ℓ̄_δ) of a deferred sample, its :func:`multiplicative_accumulate` made in the same
+    pass."""
+    signs = (1.0, -1.0) if signed else (1.0,)
+    for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
+        # a 0-d tensor for a number: the out= forms allocate nothing
+        c = acc.new_full((), offset) if isinstance(offset, float) else offset[i]
+        if sample is None:
+            torch.add(c, acc, alpha=1.0 / n, out=acc)
+        else:
+            w, grad = sample[0][i], sample[1][i]
+            for j, sign in enumerate(signs):
+                out, wj, cj = (acc[j], w[j], c[j] if c.dim() else c) if signed else (acc, w, c)
+                torch.addcmul(cj, wj, grad, value=sign / n, out=out)
+        acc.lerp_(m, beta)
+
+
+def multiplicative_move_(
+    elements: list[Tensor], momenta: list[Tensor], work: list[Tensor], *, lr: float
+) -> None:
+    """:func:`multiplicative_move` in place, in the free buffers ``work`` (no allocation:
+    large temporaries cost page faults on every eager step)."""
+    for g, m, ws in zip(elements, momenta, work, strict=True):
+        info = torch.finfo(g.dtype)
+        torch.mul(m, -lr * LOG2E, out=ws)
+        g.mul_(ws.exp2_()).clamp_(info.tiny, info.max)
+
+
+def multiplicative_readout_(
+    params: list[Tensor], elements: list[Tensor], *, mean: float | None, signed: bool
+) -> None:
+    """:func:`multiplicative_readout` into the parameters (of elements, or of products w)."""
+    for p, g in zip(params, elements, strict=True):
+        if mean is not None and p.dtype != g.dtype:  # a half-precision θ: rounded once
+            p.copy_((g[0] - g[1] if signed else g) * mean)
+            continue
+        if signed:
+            torch.sub(g[0], g[1], out=p)  # a half-precision θ: rounded once, after the difference
+        else:
+            p.copy_(g)
+        if mean is not None:
+            p.mul_(mean)
+
+
+# ------------------------------------------------------------ the implementations
+def _multiplicative_commit(t: GroupTensors, *, lr: float, signed: bool) -> None:
+    # the accumulators hold the new momenta, the momenta lists the old ones: free
+    multiplicative_move_(t.elements, t.accs, t.momenta, lr=lr)
+    multiplicative_readout_(t.params, t.elements, mean=t.mean, signed=signed)
+
+
+def multiplicative_update(
+    accs: list[Rows],
+    momenta: list[Rows],
+    elements: list[Rows],
+    spares: list[Rows],
+    params: list[Tensor],
+    sample: tuple[list[Rows], list[Tensor]] | None,
+    offset: float | list[Rows],
+    noise: list[Rows],
+    *,
+    n: int,
+    beta: float,
+    lr: Tensor,
+    mean: float | None,
+    draw: bool = False,
+) -> list[Tensor]:
+    """The whole update as formulas over the rows (g⁺, g⁻) or (g,) of each tensor, one loop
+    per parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample's
+    readout of w' = g' ⊙ ξ', ξ' read from the accumulator of a one-sample step, w' kept in
+    ``noise``), from the accumulators or a deferred ``sample`` (w, ∇ℓ̄_δ); returns each new
+    momentum's sum (not finite if any entry is not)."""
+    sums = []
+    for i, (acc, m, g, spare, p) in enumerate(
+        zip(accs, momenta, elements, spares, params, strict=True)
+    ):
+        news, moved = [], []
+        for j in range(len(g)):
+            x = (
+                acc[j]
+                if sample is None
+                else sample[0][i][j] * (-sample[1][i] if j else sample[1][i])
+            )
+            c = offset if isinstance(offset, float) else offset[i][j]
+            news.append(momentum(x, m[j], n=n, beta=beta, offset=c))
+            moved.append(multiplicative_move(g[j], news[j], lr))
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            w = [moved[j] * acc[j] for j in range(len(g))]
+            p.copy_(multiplicative_readout(tuple(w), None))
+            for j in range(len(g)):
+                noise[i][j].copy_(w[j])
+        else:
+            p.copy_(multiplicative_readout(tuple(moved), mean))
+        for j in range(len(g)):  # the writes after all reads: one loop under inductor
+            acc[j].copy_(news[j])
+            spare[j].copy_(moved[j])
+        sums.append(news[0].sum() + news[1].sum() if len(news) == 2 else news[0].sum())
+    return sums
+
+
+def multiplicative(
+    t: GroupTensors,
+    sample: SampleGrads | None,
+    *,
+    draw: bool,
+    n: int,
+    beta: float,
+    offset: float | list[Tensor],
+    lr: float,
+    signed: bool,
+    compile: bool,
+) -> Proposal:
+    """The multiplicative rule's update of a param group from its accumulators (``n``
+    samples) or its one deferred ``sample`` (w, ∇ℓ̄_δ): eager, in place, or as one compiled
+    kernel per parameter into the spares (which also draws the next sample with ``draw``)."""
+    if not compile:
+        multiplicative_momentum_(
+            t.accs, t.momenta, n=n, beta=beta, offset=offset, signed=signed, sample=sample
+        )
+        return Proposal(t.accs, commit=partial(_multiplicative_commit, t, lr=lr, signed=signed))
+    deferred = None if sample is None else (t.rows(sample[0], signed), sample[1])
+    sums = compiled(multiplicative_update)(
+        *(t.rows(ts, signed) for ts in (t.accs, t.momenta, t.elements, t.spares)),  # type: ignore[arg-type]
+        t.params,
+        deferred,
+        offset if isinstance(offset, float) else rows(offset, signed),  # new each step
+        t.rows(t.noise, signed),
+        n=n,
+        beta=beta,
+        lr=torch.tensor(lr, dtype=t.elements[0].dtype),  # a tensor: schedules do not recompile
+        mean=t.mean,
+        draw=draw,
+    )
+    return Proposal(t.accs, sums)

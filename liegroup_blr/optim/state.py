@@ -1,8 +1,10 @@
-"""Param groups and their group state: validation, lazy initialisation, elements, state dicts.
+"""Param groups and their group state: validation, lazy initialisation, the tensors of a step,
+elements, state dicts.
 
 :class:`GroupStateOptimizer` is the half of :class:`~liegroup_blr.optim.BLROptimizer` that
 knows nothing of sampling: each trained parameter's state ``{"element", "momentum"}`` (in
-float32 for half-precision parameters), made when the parameter is first trained, and the
+float32 for half-precision parameters), made when the parameter is first trained; each param
+group's tensors gathered once per step for its rule (:class:`~.tensors.GroupTensors`); and the
 state dict that resumes it bit for bit (noise generators included) or a deep copy that
 continues exactly like the original.
 """
@@ -10,7 +12,6 @@ continues exactly like the original.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,122 +21,131 @@ from torch.optim import Optimizer
 from ..groups import LieGroup
 from ..noise import NoiseSource
 from .checks import check_hyperparameters
-from .kernels import Parts, compiled, parts
+from .options import EngineState
+from .scratch import Scratch, state_dtype
+from .tensors import GroupTensors
 
 __all__ = ["GroupStateOptimizer", "state_dtype"]
-
-
-def state_dtype(p: Tensor) -> torch.dtype:
-    """Group state is kept in float32 for half-precision parameters, else in their dtype."""
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
 class GroupStateOptimizer(Optimizer):
     """Param groups with a Lie-group element and a momentum per trained parameter.
 
     Subclasses set the attributes annotated below before ``Optimizer.__init__`` and define
-    ``_new_state`` and ``_write_point``.
+    ``_init_state`` and ``_write_point``.
     """
 
     lie_group: LieGroup
-    point_estimate: str
+    mc_samples: int
+    point_convention: str
+    between_steps: str
     compile: bool
+    grad_scaler: torch.amp.GradScaler | None
     noise_source: NoiseSource
-    skipped_steps: int
-    _scratch: dict[Tensor, dict[str, Tensor]]  # per parameter: reusable buffers of a step
-    _views: dict[Tensor, dict[int, tuple[Tensor, Parts]]]  # per parameter: rows by tensor id
-    _pending: dict[Tensor, None]  # parameters with accumulated samples
+    _engine: EngineState
+    _scratch: Scratch
     groups_per_param_group = False
     """Whether a param group may set its own Lie group (key ``"group"``)."""
-    _samples = 0  # pending Monte-Carlo samples (none: the state is between steps)
-    _sampling = False
 
-    def _new_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         """Initial ``{"element", "momentum"}`` of ``p`` (state dtype, p's device)."""
         raise NotImplementedError
 
-    def _write_point(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """``params ← point estimate`` of their elements."""
+    def _write_point(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        elements: list[Tensor],
+        mean: float | None,
+    ) -> None:
+        """``params ← point estimate`` of their ``elements`` (read at E[ξ] = ``mean`` when it
+        is not ``None``)."""
         raise NotImplementedError
 
-    # --------------------------------------------------------------- helpers
+    def _point_mean(self, group: dict[str, Any]) -> float | None:
+        """E[ξ] under ``point_estimate="mean"``, else ``None``."""
+        return float(group["base"].mean) if self.point_convention == "mean" else None
+
+    # ------------------------------------------------------------- the tensors
     def _group_of(self, group: dict[str, Any]) -> LieGroup:
         """The Lie group of a param group."""
         return self.lie_group
 
-    def _gather(self, params: list[Tensor], key: str) -> list[Tensor]:
-        return [self.state[p][key] for p in params]
+    def _tensors(self, index: int, group: dict[str, Any]) -> GroupTensors | None:
+        """The tensors of param group ``index`` (its trained parameters'), gathered once per
+        step; the state of a parameter trained for the first time is made here. ``None``
+        when the group trains no parameter."""
+        tensors = self._engine.tensors.get(index)
+        if tensors is not None:
+            return tensors
+        params = [p for p in group["params"] if p.requires_grad]
+        if not params:
+            return None
+        new = [p for p in params if "element" not in self.state.get(p, {})]
+        if new:
+            self._init_states(group, new)
+        states = [self.state[p] for p in params]
+        G = self._group_of(group)
+        shapes = {"acc": G.algebra_shape, "noise": G.base_shape}
+        if self.compile:
+            shapes["spare"] = G.element_shape
+        accs, noise, *spares = self._scratch.take(params, **shapes)
+        tensors = self._engine.tensors[index] = GroupTensors(
+            params,
+            [s["element"] for s in states],
+            [s["momentum"] for s in states],
+            accs,
+            noise,
+            spares[0] if spares else None,
+            self._scratch.rows,
+            self._point_mean(group),
+        )
+        return tensors
 
-    def _buffer(self, p: Tensor, key: str, shape: torch.Size) -> Tensor:
-        """A reusable scratch tensor of ``shape`` in ``p``'s state dtype."""
-        scratch = self._scratch.setdefault(p, {})
-        buf = scratch.get(key)
-        if buf is None or buf.shape != shape or buf.device != p.device:
-            buf = scratch[key] = torch.empty(shape, dtype=state_dtype(p), device=p.device)
-            self._views.pop(p, None)
-        return buf
-
-    def _parts(
-        self, params: list[Tensor], tensors: list[Tensor], stacked: bool = True
-    ) -> list[Parts]:
-        """Each parameter's state or scratch tensor as its :func:`~.kernels.parts`, the views
-        made once per tensor and kept (a compiled kernel's call would otherwise spend a
-        dispatch per tensor per step on them). Only for tensors the optimizer keeps: a
-        sample's noise may be a new table window at every step."""
-        out = []
-        for p, t in zip(params, tensors, strict=True):
-            views = self._views.setdefault(p, {})
-            entry = views.get(id(t))
-            if entry is None or entry[0] is not t:
-                entry = views[id(t)] = (t, parts([t], stacked)[0])
-            out.append(entry[1])
-        return out
-
-    def _accumulators(self, params: list[Tensor]) -> list[Tensor]:
-        return [self._scratch[p]["acc"] for p in params]
-
-    def _spares(self, params: list[Tensor]) -> list[Tensor]:
-        """Element-sized scratch buffers: a proposal moves the elements into them before
-        the finiteness check (:meth:`_commit` then swaps them in)."""
-        return [self._buffer(p, "spare", self.state[p]["element"].shape) for p in params]
-
-    def _swap(self, params: list[Tensor], key: str, scratch_key: str) -> None:
-        """Exchange ``state[p][key]`` and the scratch buffer ``scratch_key`` (by reference)."""
+    @torch.no_grad()
+    def _init_states(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        """Create the state of ``params`` (lazily, as torch.optim does); they then hold their
+        point estimate."""
         for p in params:
-            state, scratch = self.state[p], self._scratch[p]
-            state[key], scratch[scratch_key] = scratch[scratch_key], state[key]
+            self.state[p] = self._init_state(group, p)
+        elements = [self.state[p]["element"] for p in params]
+        self._write_point(group, params, elements, self._point_mean(group))
 
-    def _kernel(self, kernel: Callable[..., Any]) -> Callable[..., Any]:
-        """``kernel``, compiled under ``compile=True``."""
-        return compiled(kernel) if self.compile else kernel
+    def _between_steps(self) -> None:
+        """Write what the parameters hold between steps (here: the point estimates)."""
+        self.restore()
 
-    def _rate(self, group: dict[str, Any], key: str = "lr") -> float | Tensor:
-        """A step size of ``group``: a 0-d tensor under ``compile`` (no recompiles)."""
-        if not self.compile:
-            return group[key]
-        return torch.tensor(float(group[key]), device=group["params"][0].device)
+    def restore(self, frozen: bool = False) -> None:
+        """Write the point estimate into every trained parameter (``frozen``: also into those
+        frozen since they were trained). With ``between_steps="sample"`` the parameters then
+        hold no training sample: the next ``step(closure)`` draws one, and a closure-free
+        ``step()`` refuses (its gradients would be the point estimate's)."""
+        self._write_points(frozen)
+        self._engine.resident = None
 
-    def _mean(self, group: dict[str, Any]) -> float | None:
-        """E[ξ] under ``point_estimate="mean"``, else ``None``."""
-        return float(group["base"].mean) if self.point_estimate == "mean" else None
-
-    @staticmethod
-    def _active(group: dict[str, Any]) -> list[Tensor]:
-        return [p for p in group["params"] if p.requires_grad]
+    @torch.no_grad()
+    def _write_points(self, frozen: bool = False) -> None:
+        """Write the point estimates (as :meth:`restore`), keeping any training sample's
+        bookkeeping."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if (frozen or p.requires_grad) and p in self.state]
+            if params:
+                elements = [self.state[p]["element"] for p in params]
+                self._write_point(group, params, elements, self._point_mean(group))
 
     # ----------------------------------------------------------- param groups
-    def _validate(self, hp: dict[str, Any]) -> None:
+    def _validate(self, options: dict[str, Any]) -> None:
         """Raise ValueError naming the first invalid hyperparameter of a param group."""
-        if "group" in hp and not self.groups_per_param_group:
+        if "group" in options and not self.groups_per_param_group:
             raise ValueError(
                 f"group: {type(self).__name__} has a fixed Lie group; use "
                 "liegroup_blr.LieGroupBLR for a Lie group per param group"
             )
         check_hyperparameters(
-            hp,
-            hp.get("group", self.lie_group),
+            options,
+            options.get("group", self.lie_group),
             antithetic=self.noise_source.antithetic,
-            point_estimate=self.point_estimate,
+            point_estimate=self.point_convention,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -149,24 +159,10 @@ class GroupStateOptimizer(Optimizer):
             if not p.is_floating_point():
                 self.param_groups.pop()
                 raise ValueError(f"params: only floating-point parameters, got {p.dtype}")
-        self._ensure_state(group, self._active(group))
-
-    @torch.no_grad()
-    def _ensure_state(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        """Create the state of parameters that have none (lazily, as torch.optim does)."""
-        new = [p for p in params if p not in self.state or "element" not in self.state[p]]
-        for p in new:
-            self.state[p] = self._new_state(group, p)
-        if new:
-            self._write_point(group, new)
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        """Write the point estimate into every trained parameter."""
-        for group in self.param_groups:
-            params = [p for p in self._active(group) if p in self.state]
-            if params:
-                self._write_point(group, params)
+        self._engine.tensors.clear()
+        trained = [p for p in group["params"] if p.requires_grad]
+        if trained:
+            self._init_states(group, trained)
 
     # ------------------------------------------------------------ public API
     def group_element(self, p: Tensor) -> dict[str, Tensor]:
@@ -182,7 +178,8 @@ class GroupStateOptimizer(Optimizer):
         """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``) and write the
         new point estimate into ``p``; momentum is kept."""
         group = self._param_group(p)
-        self._ensure_state(group, [p])
+        if "element" not in self.state.get(p, {}):
+            self._init_states(group, [p])
         state = self.state[p]
         if element.shape != state["element"].shape:
             raise ValueError(f"element: expected shape {tuple(state['element'].shape)}")
@@ -190,7 +187,7 @@ class GroupStateOptimizer(Optimizer):
         if not ok:
             raise ValueError(f"element: {reason}")
         state["element"].copy_(element)
-        self._write_point(group, [p])
+        self._write_point(group, [p], [state["element"]], self._point_mean(group))
 
     def _describe(self, group: dict[str, Any]) -> str:
         """What a param group's state means: the rule and its Lie group."""
@@ -208,6 +205,11 @@ class GroupStateOptimizer(Optimizer):
         """Seed of the optimizer's noise."""
         return self.noise_source.seed
 
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped for non-finite values since construction (or the loaded state's)."""
+        return self._engine.skipped
+
     # ------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state, plus the noise generators' states and the skip count.
@@ -216,7 +218,7 @@ class GroupStateOptimizer(Optimizer):
         parameters: they are left out (so the dict loads with ``torch.load(weights_only=True)``)
         and :meth:`load_state_dict` keeps those the optimizer was built with.
         """
-        if self._sampling or self._samples:
+        if self._engine.holding == "sampled_params" or self._engine.samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
@@ -228,9 +230,10 @@ class GroupStateOptimizer(Optimizer):
             group.pop("base", None)
             group.pop("group", None)
             group["rule"] = self._describe(live)
-        noise = self.noise_source.state_dict()
-        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
-        sd["skipped_steps"] = self.skipped_steps
+        noise = self._engine.resident_rng or self.noise_source.state_dict()  # before the
+        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]  # parameters' sample, if any
+        sd["skipped_steps"] = self._engine.skipped
+        sd.update(self._extra_state())
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -247,7 +250,8 @@ class GroupStateOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        extras = {k: state_dict.pop(k) for k in ("rng", "seed", "skipped_steps") if k in state_dict}
+        keys = ("rng", "seed", "skipped_steps", *self._extra_state_keys)
+        extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
         for i, (saved_group, live) in enumerate(
             zip(state_dict["param_groups"], self.param_groups, strict=False)
         ):
@@ -283,16 +287,25 @@ class GroupStateOptimizer(Optimizer):
         self.noise_source.load_state_dict(
             {"seed": extras.get("seed", self.seed), "rng": extras.get("rng", {})}
         )
-        self.skipped_steps = int(extras.get("skipped_steps", 0))
-        self._scratch.clear()  # a loaded state starts between steps
-        self._views.clear()
-        self._pending.clear()
-        self._samples = 0
+        self._engine.skipped = int(extras.get("skipped_steps", 0))
+        self._load_extra_state(extras)
+        self._engine.end_step()  # a loaded state starts between steps
+        self._scratch.clear()
         self.noise_source.end_step()
         self._upgrade(self.param_groups)
-        self.restore()
+        self._between_steps()  # the point estimate, or the saved sample drawn again
         for post_hook in post_hooks.values():
             post_hook(self)
+
+    _extra_state_keys: tuple[str, ...] = ()
+    """Top-level state-dict entries of a subclass (:meth:`_extra_state`)."""
+
+    def _extra_state(self) -> dict[str, Any]:
+        """A subclass's top-level state-dict entries."""
+        return {}
+
+    def _load_extra_state(self, extras: dict[str, Any]) -> None:
+        """Restore :meth:`_extra_state` (absent keys: a state dict saved without them)."""
 
     def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         """Fill in what param groups of older state dicts lack."""
@@ -303,7 +316,4 @@ class GroupStateOptimizer(Optimizer):
         state = {k: v for k, v in self.__dict__.items() if not k.endswith("_hooks")}
         state.pop("step", None)  # an lr scheduler's wrapper: it would step the original
         state["process_group"] = None
-        state["_views"] = {}  # views of the tensors: made again on use
-        if "_metrics" in state:  # cached preconditioners: rebuilt from the seed on use
-            state["_metrics"] = {}
         return state

@@ -1,0 +1,108 @@
+"""The engine's options, declared and documented once, and the engine's mutable state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..posterior import Posterior
+    from .prior import Prior
+    from .tensors import Deferred, GroupTensors, Sample
+
+__all__ = ["EngineOptions", "EngineState"]
+
+
+class EngineOptions(TypedDict, total=False):
+    """Keyword-only options every optimizer takes (``**engine``), for the sampling engine
+    (:class:`~liegroup_blr.optim.BLROptimizer`) rather than the rule.
+
+    Attributes:
+        seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
+            so ``torch.manual_seed`` makes runs reproducible).
+        noise: ``"fresh"`` draws (default) or ``"table"``
+            (:class:`~liegroup_blr.noise.NoiseTable`: windows of pre-drawn noise).
+        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).
+        table_size: values in each noise table.
+        compile: run each update through ``torch.compile`` (one fused kernel per parameter;
+            lr enters as a tensor, so schedules do not recompile).
+        process_group: a ``torch.distributed`` group: every process draws its own noise, the
+            algebra-gradient accumulators and sample counts are summed before the update.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scaled backward passes the samples
+            use: each sample's gradients are unscaled before they are accumulated, and each
+            step's inf check is recorded for ``scaler.update()``.
+        max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
+            skipped steps (default: never; every skip warns).
+        prior: a :class:`~liegroup_blr.Posterior` used as the prior: the update takes
+            (τ/N)·∇KL(q ‖ prior) in place of the N(0, 1/δ) prior and the entropy term
+            (:meth:`~liegroup_blr.optim.BLROptimizer.set_prior`).
+        between_steps: what the parameters hold between steps: ``"point"`` (default), the
+            point estimate; ``"sample"``, a fresh posterior sample θ = g·ξ, drawn after
+            every step, so any training loop's forward and backward run at a sample and
+            :meth:`~liegroup_blr.optim.BLROptimizer.step` without a closure takes ``p.grad``
+            as its gradient (Hugging Face Trainer, accelerate, Lightning, gradient
+            accumulation, ``GradScaler.step``); ``point_estimate()`` holds the point
+            estimate for a block.
+    """
+
+    seed: int | None
+    noise: str
+    antithetic: bool
+    table_size: int | None
+    compile: bool
+    process_group: Any
+    grad_scaler: torch.amp.GradScaler | None
+    max_consecutive_skips: int | None
+    prior: Posterior | None
+    between_steps: str
+
+
+@dataclass
+class EngineState:
+    """Everything the engine changes while it runs, in one object the optimizer holds by
+    reference: a wrapper that copies the optimizer's ``__dict__`` (Lightning's
+    ``LightningOptimizer`` does) shares it, so a sample counted through the wrapper is
+    counted for the optimizer.
+
+    Attributes:
+        samples: samples accumulated since the last update.
+        holding: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
+        skipped: updates skipped for non-finite values, in all.
+        consecutive: updates skipped in a row.
+        pending: parameters with accumulated samples (a set, ordered).
+        deferred: the deferred sample of each param group, by its index.
+        tensors: each param group's tensors, gathered once per step (by index).
+        marks: each trained parameter's gradient as the engine last saw it (a weak
+            reference and the version counter), to tell gradients made since.
+        resident: the training sample the parameters hold between steps
+            (``between_steps="sample"``).
+        resident_rng: the noise generators' state from before the resident sample's draw.
+        prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
+    """
+
+    samples: int = 0
+    holding: str = ""
+    skipped: int = 0
+    consecutive: int = 0
+    pending: dict[Tensor, None] = field(default_factory=dict)
+    deferred: dict[int, Deferred] = field(default_factory=dict)
+    tensors: dict[int, GroupTensors] = field(default_factory=dict)
+    marks: dict[Tensor, tuple[Callable[[], Tensor | None], int]] = field(default_factory=dict)
+    resident: Sample | None = None
+    resident_rng: dict[str, Any] | None = None
+    prior: Prior | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""
+        return {**self.__dict__, "marks": {}}
+
+    def end_step(self) -> None:
+        """Forget the step's samples and tensors."""
+        self.samples = 0
+        self.pending.clear()
+        self.deferred.clear()
+        self.tensors.clear()

@@ -1,0 +1,402 @@
+r"""The posterior as an object: group elements detached from the optimizer that learned them.
+
+A :class:`Posterior` holds, for every trained parameter, its group element :math:`g`, its Lie
+group and its base distribution :math:`q_0`, so :math:`q_g = g\cdot q_0` can be sampled,
+read as a point estimate, saved and loaded in a process that never saw the optimizer::
+
+    post = lgb.Posterior.from_optimizer(optimizer, model)
+    post.save("posterior.pt")
+    ...
+    post = lgb.Posterior.load("posterior.pt")
+    with post.sampled(model):        # θ = readout(g·ξ), ξ ~ q0, in the model's parameters
+        logits = model(x)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributions import Distribution
+
+from . import posterior_io
+from .distributions import check_base, sample_into
+from .groups import DiagonalAffineGroup, LieGroup, MultiplicativeGroup
+
+__all__ = ["Posterior", "PosteriorEntry"]
+
+_POINT_ESTIMATES = ("g", "mean")
+
+
+@dataclass(frozen=True, eq=False)
+class PosteriorEntry:
+    """One parameter's posterior :math:`q_g = g\\cdot q_0`, an entry of a
+    :class:`~liegroup_blr.Posterior`.
+
+    Attributes:
+        element: the group element g (detached; the optimizer's state dtype).
+        group: its Lie group.
+        base: the scalar base distribution q0, drawn i.i.d. per coordinate of the base space.
+        shape: the parameter's shape.
+    """
+
+    element: Tensor
+    group: LieGroup
+    base: Distribution
+    shape: torch.Size
+
+    def check(self, key: str | int) -> None:
+        """ValueError naming ``key`` if the element does not fit the group and shape."""
+        if not isinstance(self.group, LieGroup):
+            raise ValueError(f"group: entry {key!r} has {self.group!r}, not a LieGroup")
+        check_base(self.base, self.group.positive_base, f"base of entry {key!r}")
+        expected = self.group.element_shape(self.shape)
+        if self.element.shape != expected:
+            raise ValueError(
+                f"element: entry {key!r} has shape {tuple(self.element.shape)}, a "
+                f"{type(self.group).__name__} element of a {tuple(self.shape)} parameter has "
+                f"{tuple(expected)}"
+            )
+
+
+class Posterior(Mapping[str | int, PosteriorEntry]):
+    r"""A detached snapshot of a trained posterior: per parameter its group element, Lie group
+    and base distribution, keyed by parameter name or by position.
+
+    A read-only mapping from keys to :class:`~liegroup_blr.posterior.PosteriorEntry`
+    (``len``, iteration over the keys, ``post[key]``), in the order of the optimizer's param
+    groups. Keys are parameter names (``str``) or positions (``int``).
+
+    Args:
+        entries: the entries, by key.
+        point_estimate: ``"g"`` (θ read at the group's reference point ξ₀) or ``"mean"``
+            (θ read at E[ξ]), as the optimizer's ``point_estimate``.
+        fused: compute θ and the point estimates in the arithmetic of the specialised
+            rules (:class:`~liegroup_blr.AdditiveBLR`, :class:`~liegroup_blr.AffineBLR`,
+            :class:`~liegroup_blr.MultiplicativeBLR`): A·ξ + b and b + E[ξ]·A as single
+            fused multiply-adds, (g⁺ − g⁻)·E[ξ] as a difference then a product; else with
+            the group's ``act`` and ``readout``, as :class:`~liegroup_blr.LieGroupBLR` does.
+            The two differ in the last bit; each reproduces its optimizer bit for bit.
+        missing: keys of the optimizer's parameters that had no state (never trained).
+        size: the number of positions of a posterior keyed by position (entries and
+            missing ones): the length of ``model.parameters()`` it applies to.
+
+    Attributes:
+        point_estimate: ``"g"`` or ``"mean"``.
+        fused: as the argument.
+        missing: keys left out for want of optimizer state.
+        size: positions of a posterior keyed by position, else ``None``.
+        by_position: whether keys are positions.
+
+    Raises:
+        ValueError: naming the argument, for an invalid convention or entry.
+    """
+
+    def __init__(
+        self,
+        entries: Mapping[str | int, PosteriorEntry],
+        *,
+        point_estimate: str = "g",
+        fused: bool = False,
+        missing: Sequence[str | int] = (),
+        size: int | None = None,
+    ) -> None:
+        if point_estimate not in _POINT_ESTIMATES:
+            raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        keys = [*entries, *missing]
+        kinds = {type(k) for k in keys}
+        if not kinds <= {str} and not kinds <= {int}:
+            raise ValueError("entries: keys must be all parameter names or all positions")
+        if len(set(keys)) != len(keys):
+            raise ValueError("missing: a key is both an entry and missing")
+        positions = [k for k in keys if isinstance(k, int)]
+        self.by_position = bool(keys) and len(positions) == len(keys)
+        if self.by_position:
+            size = len(keys) if size is None else size
+            if any(not 0 <= k < size for k in positions):
+                raise ValueError(f"size: {size} positions do not hold every key")
+        for key, entry in entries.items():
+            entry.check(key)
+            if point_estimate == "mean" and not torch.isfinite(entry.base.mean).all():
+                raise ValueError(f"point_estimate: 'mean' needs a finite E[ξ] (entry {key!r})")
+        self._entries = dict(entries)
+        self.point_estimate = point_estimate
+        self.fused = bool(fused)
+        self.missing: list[str | int] = list(missing)
+        self.size = size if self.by_position else None
+
+    # ------------------------------------------------------------- mapping
+    def __getitem__(self, key: str | int) -> PosteriorEntry:
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[str | int]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        keyed = "position" if self.by_position else "name"
+        head = (
+            f"Posterior({len(self)} entries by {keyed}, point_estimate={self.point_estimate!r}"
+            + (f", missing={self.missing}" if self.missing else "")
+            + ")"
+        )
+        rows = [
+            f"  {key!s}: {tuple(e.shape)} {type(e.group).__name__}({e.group.extra_repr()}) "
+            f"{posterior_io.describe_base(e.base)}"
+            for key, e in self.items()
+        ]
+        return "\n".join([head, *rows])
+
+    # --------------------------------------------------------- construction
+    @classmethod
+    def from_optimizer(cls, optimizer: Any, model: nn.Module | None = None) -> Posterior:
+        """Snapshot a Lie-group BLR optimizer's posterior (public attributes only).
+
+        Keys are ``model.named_parameters()`` names when ``model`` is given, else positions
+        in the order of the optimizer's param groups (the order of ``model.parameters()``
+        for an optimizer built from it). Parameters without state yet (never trained, e.g.
+        frozen) are left out, recorded in :attr:`missing` and named in a warning.
+
+        Raises:
+            ValueError: ``model`` lacks one of the optimizer's parameters.
+        """
+        from .optim import AdditiveBLR, AffineBLR, MultiplicativeBLR, unwrap  # late: cycles
+
+        optimizer = unwrap(optimizer) or optimizer
+
+        names = None if model is None else {id(p): n for n, p in model.named_parameters()}
+        entries: dict[str | int, PosteriorEntry] = {}
+        missing: list[str | int] = []
+        position = 0
+        for group in optimizer.param_groups:
+            lie_group, base = group.get("group", optimizer.lie_group), group["base"]
+            for p in group["params"]:
+                key: str | int = position
+                if names is not None:
+                    if id(p) not in names:
+                        raise ValueError(
+                            f"model: the optimizer's parameter {position} (shape "
+                            f"{tuple(p.shape)}) is not among model.named_parameters(); pass the "
+                            "model the optimizer was built from"
+                        )
+                    key = names[id(p)]
+                state = optimizer.state.get(p, {})
+                if "element" in state:
+                    element = state["element"].detach().clone()
+                    entries[key] = PosteriorEntry(element, lie_group, base, p.shape)
+                else:
+                    missing.append(key)
+                position += 1
+        if missing:
+            warnings.warn(
+                f"Posterior: {len(missing)} parameter(s) without optimizer state (never "
+                f"trained, e.g. frozen) left out: {missing}",
+                stacklevel=2,
+            )
+        return cls(
+            entries,
+            point_estimate=optimizer.point_convention,
+            fused=isinstance(optimizer, (AdditiveBLR, AffineBLR, MultiplicativeBLR)),
+            missing=missing,
+            size=position,
+        )
+
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Posterior:
+        """A copy with every element on ``device`` (and in ``dtype``), like ``Tensor.to``."""
+        entries = {
+            k: PosteriorEntry(e.element.to(device=device, dtype=dtype), e.group, e.base, e.shape)
+            for k, e in self.items()
+        }
+        return self._like(entries)
+
+    def _like(self, entries: Mapping[str | int, PosteriorEntry]) -> Posterior:
+        return Posterior(
+            entries,
+            point_estimate=self.point_estimate,
+            fused=self.fused,
+            missing=self.missing,
+            size=self.size,
+        )
+
+    # ---------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """Everything as tensors, strings, numbers, lists and dicts (loadable with
+        ``torch.load(weights_only=True)``): each distinct group and base once, by class name
+        and constructor parameters, and per entry its key, shape, element and their indices
+        (:mod:`liegroup_blr.posterior_io`)."""
+        return posterior_io.state_dict(self)
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        state_dict: Mapping[str, Any],
+        groups: LieGroup | Mapping[str | int, LieGroup] | None = None,
+        bases: Distribution | Mapping[str | int, Distribution] | None = None,
+    ) -> Posterior:
+        """Rebuild a posterior from :meth:`state_dict`.
+
+        Built-in groups and the bases of the library's registry are restored by name.
+        Custom ones are passed here: one object for every custom entry, or a mapping from an
+        entry's key or the class name to the object (an entry's key wins). A passed object
+        must be of the class that was saved.
+
+        Raises:
+            ValueError: in one line, for a dict that is not a posterior's, of another format
+                version, malformed, or whose custom groups or bases were not passed.
+        """
+        entries, options = posterior_io.entries(state_dict, groups, bases, PosteriorEntry)
+        return cls(entries, **options)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`state_dict` with ``torch.save`` to a temporary file beside ``path``,
+        then move it into place (atomic: ``path`` is never a partial file)."""
+        posterior_io.save(self.state_dict(), path)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        groups: LieGroup | Mapping[str | int, LieGroup] | None = None,
+        bases: Distribution | Mapping[str | int, Distribution] | None = None,
+        map_location: str | torch.device | None = "cpu",
+    ) -> Posterior:
+        """Read a file written by :meth:`save` with ``torch.load(weights_only=True)``;
+        ``groups`` and ``bases`` as :meth:`from_state_dict`.
+
+        Raises:
+            ValueError: in one line, for a file that cannot be read (truncated, corrupt, or
+                holding more than weights) or is not a posterior's.
+        """
+        state_dict = posterior_io.load(path, map_location)
+        try:
+            return cls.from_state_dict(state_dict, groups, bases)
+        except ValueError as err:
+            raise ValueError(f"path: {os.fspath(path)!r}: {err}") from None
+
+    # ------------------------------------------------------------- values
+    def sample(self, generator: torch.Generator | None = None) -> dict[str | int, Tensor]:
+        """One posterior sample θ = readout(g·ξ) per entry, ξ ~ q0 drawn i.i.d. per coordinate
+        of the base space with :func:`~liegroup_blr.distributions.sample_into` from
+        ``generator`` (default: torch's global generator), entry by entry in order: the
+        order in which an optimizer draws its fresh noise, so a generator in the state of
+        the optimizer's (``optimizer.state_dict()["rng"]``) gives its next
+        ``sampled_params()`` sample bit for bit."""
+        out = {}
+        for key, e in self.items():
+            xi = e.element.new_empty(e.group.base_shape(e.shape))
+            sample_into(e.base, xi, generator)
+            out[key] = self._readout(e, xi).reshape(e.shape)
+        return out
+
+    def point_estimates(self) -> dict[str | int, Tensor]:
+        """The point estimate per entry, as the optimizer writes it: readout(g·ξ₀) with ξ₀ the
+        group's reference point (``"g"``) or E[ξ] in every coordinate (``"mean"``)."""
+        out = {}
+        for key, e in self.items():
+            if self.point_estimate == "mean":
+                xi0 = e.element.new_full(e.group.base_shape(e.shape), float(e.base.mean))
+            else:
+                g = e.element
+                xi0 = e.group.reference_point(e.shape, dtype=g.dtype, device=g.device)
+            out[key] = self._point(e, xi0).reshape(e.shape)
+        return out
+
+    def _readout(self, e: PosteriorEntry, xi: Tensor) -> Tensor:
+        """readout(g·ξ); A·ξ + b as one fused ``addcmul`` when :attr:`fused`, as
+        :class:`~liegroup_blr.AffineBLR` draws it."""
+        G, g = e.group, e.element
+        if self.fused and type(G) is DiagonalAffineGroup:
+            return torch.addcmul(g[1], g[0], xi)
+        return G.readout(G.act(g, xi))
+
+    def _point(self, e: PosteriorEntry, xi0: Tensor) -> Tensor:
+        """readout(g·ξ₀); the specialised rules' arithmetic when :attr:`fused`: b + E[ξ]A
+        as one fused ``add``, (g⁺ − g⁻)·E[ξ] for the multiplicative group."""
+        G, g = e.group, e.element
+        if self.fused and self.point_estimate == "mean":
+            mean = float(e.base.mean)
+            if type(G) is DiagonalAffineGroup:
+                return torch.add(g[1], g[0], alpha=mean)
+            if type(G) is MultiplicativeGroup:
+                return (g[0] - g[1] if G.signed else g.clone()).mul_(mean)
+        return G.point_estimate(g, xi0)
+
+    # --------------------------------------------------------------- models
+    def _targets(self, model: nn.Module) -> list[tuple[str | int, nn.Parameter]]:
+        """The model's parameter of each entry; ValueError if names or shapes differ."""
+        if self.by_position:
+            params: Mapping[str | int, nn.Parameter] = dict(enumerate(model.parameters()))
+            if len(params) != self.size:
+                raise ValueError(
+                    f"model: has {len(params)} parameters, the posterior was taken by position "
+                    f"over {self.size}; use the same architecture, or take it with model=..."
+                )
+        else:
+            params = dict(model.named_parameters())
+        out = []
+        for key, e in self.items():
+            p = params.get(key)
+            if p is None:
+                raise ValueError(f"model: has no parameter {key!r}, which the posterior holds")
+            if p.shape != e.shape:
+                raise ValueError(
+                    f"model: parameter {key!r} has shape {tuple(p.shape)}, the posterior's "
+                    f"{tuple(e.shape)}"
+                )
+            out.append((key, p))
+        return out
+
+    @staticmethod
+    @contextmanager
+    def _holding(
+        targets: list[tuple[str | int, nn.Parameter]], values: dict[str | int, Tensor]
+    ) -> Iterator[None]:
+        """``values`` in the target parameters for the block, their old values after it."""
+        saved = [p.detach().clone() for _, p in targets]
+        try:
+            with torch.no_grad():
+                for key, p in targets:
+                    p.copy_(values[key])
+            yield
+        finally:
+            with torch.no_grad():
+                for (_, p), old in zip(targets, saved, strict=True):
+                    p.copy_(old)
+
+    @contextmanager
+    def sampled(self, model: nn.Module, generator: torch.Generator | None = None) -> Iterator[None]:
+        """Hold one posterior sample (:meth:`sample`) in ``model``'s parameters for the
+        block, and their previous values again after it, also on error. Parameters the
+        posterior does not hold (:attr:`missing` ones, or a part the optimizer never had)
+        keep their values.
+
+        Raises:
+            ValueError: ``model`` lacks one of the posterior's names, has another number of
+                parameters than a posterior keyed by position, or another shape.
+        """
+        targets = self._targets(model)  # refused before any draw
+        with self._holding(targets, self.sample(generator)):
+            yield
+
+    @contextmanager
+    def at_point_estimate(self, model: nn.Module) -> Iterator[None]:
+        """Hold the point estimate (:meth:`point_estimates`) in ``model`` for the block."""
+        with self._holding(self._targets(model), self.point_estimates()):
+            yield
+
+    @torch.no_grad()
+    def load_point_estimate(self, model: nn.Module) -> None:
+        """Write the point estimate (:meth:`point_estimates`) into ``model``, permanently."""
+        values = self.point_estimates()
+        for key, p in self._targets(model):
+            p.copy_(values[key])

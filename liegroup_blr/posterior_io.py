@@ -1,0 +1,217 @@
+"""The file format of a :class:`~liegroup_blr.Posterior`: a state dict of tensors, strings,
+numbers, lists and dicts (loadable with ``torch.load(weights_only=True)``), each distinct group
+and base stored once by class name and constructor parameters; built-in groups and the
+library's bases are restored by name, custom ones are passed by the caller."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.distributions import (
+    Cauchy,
+    Distribution,
+    Exponential,
+    Laplace,
+    LogNormal,
+    Normal,
+    StudentT,
+    Uniform,
+)
+
+from .distributions import Dirac, Rayleigh
+from .groups import (
+    AdditiveGroup,
+    DiagonalAffineGroup,
+    FullAffineGroup,
+    LieGroup,
+    MultiplicativeGroup,
+    RotationScalingGroup,
+)
+
+if TYPE_CHECKING:
+    from .posterior import Posterior, PosteriorEntry
+
+__all__ = ["FORMAT", "VERSION", "describe_base", "entries", "load", "save", "state_dict"]
+
+FORMAT = "liegroup_blr.Posterior"
+"""The ``"format"`` entry of a posterior's state dict and file."""
+VERSION = 1
+"""The version of the state-dict layout this module writes and reads."""
+
+_GROUPS: dict[str, type[LieGroup]] = {
+    cls.__name__: cls
+    for cls in (
+        AdditiveGroup,
+        DiagonalAffineGroup,
+        MultiplicativeGroup,
+        FullAffineGroup,
+        RotationScalingGroup,
+    )
+}
+_BASES: dict[str, tuple[type[Distribution], tuple[str, ...]]] = {
+    "Normal": (Normal, ("loc", "scale")),
+    "Laplace": (Laplace, ("loc", "scale")),
+    "StudentT": (StudentT, ("df", "loc", "scale")),
+    "Uniform": (Uniform, ("low", "high")),
+    "Cauchy": (Cauchy, ("loc", "scale")),
+    "Exponential": (Exponential, ("rate",)),
+    "LogNormal": (LogNormal, ("loc", "scale")),
+    "Rayleigh": (Rayleigh, ("scale",)),
+    "Dirac": (Dirac, ("value",)),
+}
+"""Bases a file restores by name: their constructor parameters are stored as tensors."""
+
+
+def state_dict(post: Posterior) -> dict[str, Any]:
+    """:meth:`Posterior.state_dict <liegroup_blr.Posterior.state_dict>`."""
+    groups: dict[int, int] = {}
+    bases: dict[int, int] = {}
+    group_specs: list[dict[str, Any]] = []
+    base_specs: list[dict[str, Any]] = []
+    rows = []
+    for key, e in post.items():
+        if id(e.group) not in groups:
+            groups[id(e.group)] = len(group_specs)
+            group_specs.append(_group_spec(e.group))
+        if id(e.base) not in bases:
+            bases[id(e.base)] = len(base_specs)
+            base_specs.append(_base_spec(e.base))
+        rows.append(
+            {
+                "key": key,
+                "shape": list(e.shape),
+                "group": groups[id(e.group)],
+                "base": bases[id(e.base)],
+                "element": e.element.detach().clone(),
+            }
+        )
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "point_estimate": post.point_estimate,
+        "fused": post.fused,
+        "size": post.size,
+        "missing": list(post.missing),
+        "groups": group_specs,
+        "bases": base_specs,
+        "entries": rows,
+    }
+
+
+def entries(
+    state_dict: Mapping[str, Any],
+    groups: LieGroup | Mapping[str | int, LieGroup] | None,
+    bases: Distribution | Mapping[str | int, Distribution] | None,
+    entry: Callable[..., PosteriorEntry],
+) -> tuple[dict[str | int, PosteriorEntry], dict[str, Any]]:
+    """The entries of a posterior's state dict and the keywords of its constructor; the
+    custom groups and bases from ``groups`` and ``bases``. ValueError in one line for a dict
+    that is not a posterior's, of another version, or malformed."""
+    if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
+        raise ValueError(
+            f"state_dict: not a liegroup_blr Posterior (no 'format': {FORMAT!r} entry)"
+        )
+    if state_dict.get("version") != VERSION:
+        raise ValueError(
+            f"state_dict: Posterior format version {state_dict.get('version')!r}; this "
+            f"liegroup_blr reads version {VERSION}"
+        )
+    try:
+        found = {}
+        for row in state_dict["entries"]:
+            key = row["key"]
+            found[key] = entry(
+                _as_tensor(row["element"], key),
+                _restore(state_dict["groups"][row["group"]], key, groups, "groups"),
+                _restore(state_dict["bases"][row["base"]], key, bases, "bases"),
+                torch.Size(row["shape"]),
+            )
+        options = {k: state_dict[k] for k in ("point_estimate", "fused", "missing", "size")}
+    except (KeyError, IndexError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"state_dict: a malformed Posterior state dict ({type(err).__name__}: {err})"
+        ) from None
+    return found, options
+
+
+def save(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """``torch.save`` to a temporary file beside ``path``, then moved into place (atomic)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        torch.save(state_dict, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load(path: str | os.PathLike[str], map_location: str | torch.device | None) -> Any:
+    """``torch.load(weights_only=True)``; ValueError in one line for a file it cannot read."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        raise ValueError(
+            f"path: {os.fspath(path)!r} is not a readable Posterior file (truncated, corrupt "
+            f"or not weights-only; torch.load: {type(err).__name__}: {reason})"
+        ) from None
+
+
+def _group_spec(group: LieGroup) -> dict[str, Any]:
+    spec: dict[str, Any] = {"name": type(group).__name__}
+    if type(group) is MultiplicativeGroup:
+        spec["signed"] = bool(group.signed)
+    return spec
+
+
+def _base_spec(base: Distribution) -> dict[str, Any]:
+    name = type(base).__name__
+    known = _BASES.get(name)
+    if known is None or type(base) is not known[0]:
+        return {"name": name}
+    return {"name": name, "params": {k: getattr(base, k).detach().clone() for k in known[1]}}
+
+
+def describe_base(base: Distribution) -> str:
+    """A base as its class name and parameters, e.g. ``Normal(loc=0, scale=0.1)``."""
+    spec = _base_spec(base)
+    params = ", ".join(f"{k}={float(v):g}" for k, v in spec.get("params", {}).items())
+    return f"{spec['name']}({params})"
+
+
+def _as_tensor(value: Any, key: str | int) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"entry {key!r}: element is a {type(value).__name__}, not a tensor")
+    return value
+
+
+def _restore(spec: Mapping[str, Any], key: str | int, passed: Any, kind: str) -> Any:
+    """The group or base of entry ``key``: passed by the caller (by key, by class name, or
+    one object for all), else rebuilt from a built-in name; ValueError naming what to pass."""
+    name = spec["name"]
+    if isinstance(passed, Mapping):
+        obj = passed.get(key, passed.get(name))
+    else:  # one object for every entry saved with its class
+        obj = passed if type(passed).__name__ == name else None
+    if obj is None:
+        if kind == "groups" and name in _GROUPS:
+            return _GROUPS[name](**{k: v for k, v in spec.items() if k != "name"})
+        if kind == "bases" and "params" in spec:
+            return _BASES[name][0](**spec["params"])
+        raise ValueError(
+            f"{kind}: entry {key!r} was saved with the custom {name!r}, which a file cannot "
+            f"hold; pass it: Posterior.load(path, {kind}={{{name!r}: ...}})"
+        )
+    if type(obj).__name__ != name:
+        raise ValueError(
+            f"{kind}: entry {key!r} was saved with a {name!r}, got a {type(obj).__name__!r}"
+        )
+    return obj
