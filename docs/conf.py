@@ -58,6 +58,7 @@ napoleon_use_rtype = False
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(torch|geoopt|numpy|np|abc|typing|collections|contextlib)(\..*)?"),
+    (r"py:.*", r"(lightning|transformers|accelerate)(\..*)?"),  # the integrations' extras
     (r"py:.*", r"(Tensor|Distribution|Optimizer|Generator|Module|Iterable|Iterator|Callable)"),
     (r"py:.*", r"(Sequence|Any|AbstractContextManager|Constraint)"),
     (r"py:.*", r"(liegroup_blr\.groups\.base\.)?Shape"),  # type aliases of signatures

@@ -18,6 +18,9 @@ RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
 FILTERS_SIZE = (8.0, 4.5)  # 800 × 450 pixels
 CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
 HISTOGRAM_SIZE = (8.0, 4.0)  # 800 × 400 pixels
+MEMORY_MAP_SIZE = (13.0, 7.0)  # 1300 × 700 pixels
+SCATTER_SIZE = (10.0, 4.5)  # 1000 × 450 pixels
+MEMORY_ROWS, MEMORY_COLS = 2, 8  # digits shown per block (most and least sensitive)
 FILTER_ROWS, FILTER_COLS = 4, 8
 ROBUST_QUANTILE = 0.99
 
@@ -153,6 +156,90 @@ def learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], path
     ax_acc.set(xlabel="epoch", ylabel="test accuracy (%) at g")
     ax_nll.set(xlabel="epoch", ylabel="test NLL at g")
     ax_acc.legend()
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _digit(ax: plt.Axes, image: np.ndarray, caption: str, marked: bool) -> None:
+    ax.imshow(image.mean(axis=0), cmap="gray_r", interpolation="nearest")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(caption, fontsize=8, color="tab:red" if marked else "k")
+    for spine in ax.spines.values():
+        spine.set(color="tab:red" if marked else "0.7", linewidth=2.5 if marked else 0.5)
+
+
+def memory_map(
+    images: Tensor,
+    labels: Tensor,
+    scores: Tensor,
+    path: Path,
+    title: str,
+    marked: Mapping[int, int] | None = None,
+) -> None:
+    """The most and least sensitive training examples, and the scores per class.
+
+    Left: the 16 highest-scored images ``(N, C, H, W)`` with label and score above the 16
+    lowest-scored. Right: per class, a box plot of log₁₀ score (whiskers at the 1st and 99th
+    percentiles). ``marked`` maps example indices to their original labels (e.g. flipped
+    ones): those are framed in red and captioned with both labels.
+    """
+    marked = marked or {}
+    n = MEMORY_ROWS * MEMORY_COLS
+    order = scores.argsort(descending=True)
+    fig = plt.figure(figsize=MEMORY_MAP_SIZE)
+    grid = fig.add_gridspec(2 * MEMORY_ROWS, MEMORY_COLS + 5, hspace=0.6, wspace=0.3)
+    arrays = images.detach().float().cpu().numpy()
+    for block, picks in enumerate((order[:n], order[-n:].flip(0))):
+        for k, i in enumerate(picks.tolist()):
+            ax = fig.add_subplot(grid[block * MEMORY_ROWS + k // MEMORY_COLS, k % MEMORY_COLS])
+            label = int(labels[i])
+            caption = f"y={label}" + (f" (was {marked[i]})" if i in marked else "")
+            _digit(ax, arrays[i], f"{caption}\n{float(scores[i]):.2g}", i in marked)
+    fig.text(0.02, 0.95, "most sensitive", fontsize=11, weight="bold")
+    fig.text(0.02, 0.48, "least sensitive", fontsize=11, weight="bold")
+    ax = fig.add_subplot(grid[:, MEMORY_COLS + 1 :])
+    logs = np.log10(np.maximum(scores.detach().double().cpu().numpy(), 1e-30))
+    classes = sorted(int(c) for c in labels.unique())
+    per_class = [logs[labels.cpu().numpy() == c] for c in classes]
+    ax.boxplot(per_class, whis=(1, 99), showfliers=True, flierprops={"markersize": 2})
+    ax.set_xticks(range(1, len(classes) + 1), [str(c) for c in classes])
+    if marked:
+        for i in marked:
+            ax.plot(classes.index(int(labels[i])) + 1, logs[i], "x", color="tab:red", ms=6)
+    ax.set(xlabel="label", ylabel="log₁₀ score", title="scores per class")
+    fig.suptitle(title)
+    _save(fig, path)
+
+
+def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Path) -> None:
+    """Estimated against true deviation, log-log, one panel per entry of ``panels``: title →
+    arrays ``truth``, ``estimate``, ``floor`` (the noise of retraining, drawn at the same
+    estimates) and the boolean ``top`` (highest-scored examples; the others are random)."""
+    fig, axes = plt.subplots(1, len(panels), figsize=SCATTER_SIZE, squeeze=False)
+    for ax, (title, p) in zip(axes[0], panels.items(), strict=True):
+        top = p["top"]
+        ax.scatter(
+            p["floor"],
+            p["estimate"],
+            s=12,
+            marker="x",
+            color="0.6",
+            label="nothing removed, other permutations",
+        )
+        ax.scatter(p["truth"][~top], p["estimate"][~top], s=18, label="random examples")
+        ax.scatter(p["truth"][top], p["estimate"][top], s=18, label="highest-scored")
+        values = np.concatenate([p["truth"], p["estimate"], p["floor"]])
+        values = values[values > 0]
+        low, high = values.min() / 2, values.max() * 2
+        ax.plot([low, high], [low, high], "k--", lw=1, label="estimate = truth")
+        if high > 2:
+            ax.axhline(2.0, color="tab:red", lw=1, ls=":", label="largest possible change (2)")
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), title=title)
+        ax.set(
+            xlabel="true change ‖p(without i) − p‖₁ (retraining)", ylabel="estimated change (score)"
+        )
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     _save(fig, path)
 

@@ -10,6 +10,7 @@ the group's exponential map with reparameterised gradients. The optimizers are d
 
 from . import distributions, fisher, groups, mc, noise, optim
 from .mc import mc_step
+from .memory import MemoryMap, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
 
@@ -17,6 +18,7 @@ __all__ = [
     "AdditiveBLR",
     "AffineBLR",
     "LieGroupBLR",
+    "MemoryMap",
     "MultiplicativeBLR",
     "Posterior",
     "distributions",
@@ -24,7 +26,9 @@ __all__ = [
     "groups",
     "mc",
     "mc_step",
+    "memory_map",
     "noise",
     "optim",
+    "sensitivity",
 ]
 __version__ = "0.1.0"

@@ -101,13 +101,13 @@ def test_multiplicative_kernels_follow_the_group(n):
         multiplicative_accumulate([acc], [w], [grad], first=s == 0, signed=True)
         X += algebra_gradient(G, g, xi, grad)
     beta, shift, lr = 0.8, 0.05, 0.4
-    multiplicative_momentum_([acc], [mom], n=n, beta=beta, shift=shift, signed=True)
+    multiplicative_momentum_([acc], [mom], n=n, beta=beta, offset=-shift, signed=True)
     new_mom = torch.lerp(X / n - shift, mom, beta)  # X̂ = algebra gradient − (τ/N)∇log|det|
     torch.testing.assert_close(acc, new_mom)
     if n == 1:  # the sample accumulated by the proposal itself
         deferred = torch.empty_like(g)
         multiplicative_momentum_(
-            [deferred], [mom], n=n, beta=beta, shift=shift, signed=True, sample=([w], [grads[0]])
+            [deferred], [mom], n=n, beta=beta, offset=-shift, signed=True, sample=([w], [grads[0]])
         )
         torch.testing.assert_close(deferred, new_mom)
     moved = g.clone()
@@ -148,11 +148,11 @@ def test_affine_kernels_follow_the_group(zero_scale_momentum):
     X = [algebra_gradient(G, g, xi, grad) for xi, grad in zip(xis, grads, strict=True)]
     betas = torch.tensor([0.9, 0.6], dtype=DTYPE).view(2, 1, 1)
     shift = torch.tensor([0.02, 0.0], dtype=DTYPE).view(2, 1, 1)  # (τ/N)∇log|det| = (τ/N, 0)
-    affine_momentum_([acc], [mom], [g], n=2, betas=(0.9, 0.6), shift=0.02)
+    affine_momentum_([acc], [mom], [g], n=2, betas=(0.9, 0.6), offset=-0.02)
     torch.testing.assert_close(acc, torch.lerp((X[0] + X[1]) / 2 - shift, mom, betas))
     deferred = torch.empty_like(g)  # one sample, accumulated by the proposal itself
     sample = ([xis[0]], [grads[0]])
-    affine_momentum_([deferred], [mom], [g], n=1, betas=(0.9, 0.6), shift=0.02, sample=sample)
+    affine_momentum_([deferred], [mom], [g], n=1, betas=(0.9, 0.6), offset=-0.02, sample=sample)
     new_mom = torch.lerp(X[0] - shift, mom, betas)
     torch.testing.assert_close(deferred, new_mom)
     acc = new_mom
@@ -216,14 +216,20 @@ def _eager_update(kind, g, mom, acc, p, sample, hp):
         additive_readout_([p], [g], mean=hp["mean"])
     elif kind == "multiplicative":
         multiplicative_momentum_(
-            [acc], [mom], n=hp["n"], beta=hp["beta"], shift=hp["shift"], signed=True, sample=sample
+            [acc],
+            [mom],
+            n=hp["n"],
+            beta=hp["beta"],
+            offset=-hp["shift"],
+            signed=True,
+            sample=sample,
         )
         multiplicative_move_([g], [acc], [torch.empty_like(g)], lr=hp["lr"])
         multiplicative_readout_([p], [g], mean=hp["mean"], signed=True)
     else:
         betas = (0.9, hp["beta"])
         affine_momentum_(
-            [acc], [mom], [g], n=hp["n"], betas=betas, shift=hp["shift"], sample=sample
+            [acc], [mom], [g], n=hp["n"], betas=betas, offset=-hp["shift"], sample=sample
         )
         affine_move_([g], [acc], [torch.empty_like(g)], lr=hp["lr"], scale_lr=hp["scale_lr"])
         affine_readout_([p], [g], mean=hp["mean"])
@@ -234,19 +240,22 @@ def _functional_update(kind, g, mom, acc, spare, p, sample, hp):
     common = dict(n=hp["n"], lr=torch.tensor(hp["lr"], dtype=DTYPE), mean=hp["mean"])
     if kind == "additive":
         grads = None if sample is None else sample[1]
-        return additive_update([acc], [mom], [g], [spare], [p], grads, beta=hp["beta"], **common)
+        return additive_update(
+            [acc], [mom], [g], [spare], [p], grads, None, [], beta=hp["beta"], **common
+        )
     tensors = (parts([t]) for t in (acc, mom, g, spare))
     if kind == "multiplicative":
         rows = None if sample is None else (parts(sample[0]), sample[1])
         return multiplicative_update(
-            *tensors, [p], rows, beta=hp["beta"], shift=hp["shift"], **common
+            *tensors, [p], rows, -hp["shift"], [], beta=hp["beta"], **common
         )
     return affine_update(
         *tensors,
         [p],
         sample,
+        -hp["shift"],
+        [],
         betas=(0.9, hp["beta"]),
-        shift=hp["shift"],
         scale_lr=torch.tensor(hp["scale_lr"], dtype=DTYPE),
         **common,
     )

@@ -185,6 +185,26 @@ def test_sample_mode_new_param_group_and_frozen_parameter():
     assert torch.equal(model[0].weight, point)
 
 
+def test_after_restore_in_sample_mode_a_closure_free_step_refuses_and_a_closure_draws():
+    """restore() writes the point estimate: gradients computed there are nobody's sample."""
+    model, x, y = make_problem()
+    opt = lgb.AdditiveBLR(model.parameters(), lr=0.1, seed=0, between_steps="sample")
+    plain_step(opt, model, x, y)
+    opt.restore()
+    point = [p.detach().clone() for p in model.parameters()]
+    with opt.sampled_params():
+        pass
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), point, strict=True))
+    with pytest.raises(RuntimeError, match="after restore"):
+        plain_step(opt, model, x, y)
+    with pytest.raises(RuntimeError, match="at the point estimate"):  # those gradients
+        opt.step(closure_for(opt, model, x, y))
+    opt.zero_grad()
+    opt.step(closure_for(opt, model, x, y))  # draws a sample for its closure
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), point, strict=True))
+    plain_step(opt, model, x, y)  # and holds one again
+
+
 @pytest.mark.parametrize(
     ("options", "call", "words"),
     [
@@ -401,3 +421,54 @@ def test_multiplicative_default_init_keeps_constant_tensors_such_as_layer_norm_w
     assert not torch.equal(model[0].weight, weights["0.weight"])
     x = torch.randn(5, 4)
     assert model(x).std(0).max() > 1e-3
+
+
+# ------------------------------------------ the compiled update draws the next sample
+COMPILED = {
+    "additive": lambda ps, **kw: lgb.AdditiveBLR(
+        ps, lr=0.1, base=torch.distributions.Normal(0.0, 0.05), **kw
+    ),
+    "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
+        ps, lr=0.3, data_size=100, temperature=0.5, **kw
+    ),
+    "affine": lambda ps, **kw: lgb.AffineBLR(
+        ps, lr=0.1, scale_lr=0.05, base=torch.distributions.Normal(0.0, 0.05), data_size=100, **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("noise", ["fresh", "table"])
+@pytest.mark.parametrize("kind", COMPILED)
+def test_compiled_sample_mode_draws_the_next_sample_in_the_update_as_eager_steps_draw_it(
+    kind, noise
+):
+    """In sample mode a compiled one-sample step draws the next sample inside its update
+    kernel (ξ' into the accumulators, or table windows); the samples and the steps equal the
+    eager ones, which draw after the update, and a state dict taken then resumes exactly."""
+    model, x, y = make_problem(dtype=torch.float32)
+    twin = copy.deepcopy(model)
+    runs = []
+    for net, compile in ((model, True), (twin, False)):
+        opt = COMPILED[kind](
+            net.parameters(), seed=0, noise=noise, compile=compile, between_steps="sample"
+        )
+        held = []
+        for _ in range(4):
+            plain_step(opt, net, x, y)
+            held.append([p.detach().clone() for p in net.parameters()])
+        runs.append((opt, held))
+    (compiled, held_c), (eager, held_e) = runs
+    for a, b in zip(held_c, held_e, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        for key in ("element", "momentum"):
+            torch.testing.assert_close(
+                compiled.state[p][key], eager.state[q][key], rtol=1e-5, atol=1e-6
+            )
+    saved = copy.deepcopy(compiled.state_dict())
+    resumed = COMPILED[kind](
+        copy.deepcopy(model).parameters(), seed=9, noise=noise, between_steps="sample"
+    )
+    resumed.load_state_dict(saved)  # redraws the sample from the state before it: the same one
+    for p, q in zip(resumed.param_groups[0]["params"], model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -11,7 +11,8 @@ Everything is measured in one run and printed as ratios:
 3. Full step at mc = 1 against torch.optim.SGD(momentum): ResNet-20 at batch 200 with fresh
    noise (targets ≤ 1.15 additive, ≤ 1.3 multiplicative and affine) and the MLP at batch 50
    with the noise table (targets ≤ 1.3 additive, ≤ 1.5 multiplicative and affine); eager
-   against ``compile=True``.
+   against ``compile=True``, each with a closure and in ``between_steps="sample"`` (backward,
+   then ``step()``).
 4. 1 against 2 processes (gloo, MC-sample parallelism, mc = 8) per step.
 5. Optimizer state bytes per model parameter, and peak training memory against SGD (each
    measured in a fresh process).
@@ -67,7 +68,7 @@ def seconds(fn: Callable[[], object], steps: int, rounds: int) -> float:
     return interleaved({"": fn}, steps, rounds)[""]
 
 
-def sgd_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor) -> Callable:
+def sgd_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor, **kw) -> Callable:
     def step() -> None:
         opt.zero_grad()
         LOSS(model(x), y).backward()
@@ -140,16 +141,27 @@ def full_steps(rounds: int, quick: bool) -> None:
         steps = 2 if quick or name == "resnet20" else 10
         twin = copy.deepcopy(model)
         fns = {"sgd": sgd_step(sgd(twin), twin, x, y)}
-        for rule, compiled in itertools.product(targets, (False, True)):
+        for rule, (mode, options) in itertools.product(targets, MODES.items()):
             twin = copy.deepcopy(model)
-            opt = RULES[rule](twin.parameters(), noise=noise, compile=compiled)
-            fns[f"{rule}, {'compiled' if compiled else 'eager'}"] = blr_step(opt, twin, x, y)
+            opt = RULES[rule](twin.parameters(), noise=noise, **options)
+            step = sgd_step if "sample" in mode else blr_step  # backward, then step()
+            fns[f"{rule}, {mode}"] = step(opt, twin, x, y)
         t = interleaved(fns, steps, rounds)
         print(f"{name} (noise {noise}): SGD {t['sgd'] * 1e3:.1f} ms")
         for rule, target in targets.items():
-            ratios = {mode: t[f"{rule}, {mode}"] / t["sgd"] for mode in ("eager", "compiled")}
+            ratios = {mode: t[f"{rule}, {mode}"] / t["sgd"] for mode in MODES}
             cells = [f"{mode} ×{ratio:.2f}" for mode, ratio in ratios.items()]
             print(f"  {rule:<16}{'   '.join(cells)}   (target ≤ {target})")
+
+
+MODES: dict[str, dict[str, Any]] = {
+    "eager": {},
+    "compiled": {"compile": True},
+    "eager sample": {"between_steps": "sample"},
+    "compiled sample": {"compile": True, "between_steps": "sample"},
+}
+"""Eager and compiled steps, with a closure (point mode) and on p.grad (sample mode: the
+compiled update draws the next sample)."""
 
 
 def _process(rank: int, world: int, folder: str, mc: int, steps: int, out: str) -> None:

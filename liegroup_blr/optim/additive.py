@@ -67,6 +67,8 @@ class AdditiveBLR(BLROptimizer):
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
+    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -109,10 +111,10 @@ class AdditiveBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         additive_accumulate(t.accs, grads, first=first)
 
-    def _propose(self, group, t, n, sample) -> Proposal:
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
         grads = None if sample is None else sample[1]
-        beta, lr = group["momentum"], group["lr"]
-        return additive(t, grads, n=n, beta=beta, lr=lr, compile=self.compile)
+        beta, lr, c = group["momentum"], group["lr"], self.compile
+        return additive(t, grads, n=n, beta=beta, lr=lr, offset=prior, draw=draw, compile=c)
 
     def _write_point(self, group, params, elements, mean) -> None:
         additive_readout_(params, elements, mean=mean)
@@ -152,12 +154,16 @@ def additive_momentum_(
     n: int,
     beta: float,
     grads: list[Tensor] | None = None,
+    offset: list[Tensor] | None = None,
 ) -> None:
     """:func:`~.kernel_utils.momentum` in place, into the accumulators: acc ← β M + (1 − β)
-    acc/n, or from the ``grads`` of a deferred sample in the same pass."""
+    (acc/n + c), or from the ``grads`` of a deferred sample in the same pass; c is 0 (the
+    entropy is constant) or a prior's ``offset``."""
     for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
         x = acc if grads is None else grads[i]
-        if n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
+        if offset is not None:
+            x = torch.add(offset[i], x, alpha=1.0 / n, out=acc)
+        elif n > 1 or x.dtype != acc.dtype:  # (half-precision gradients, float32 state)
             x = torch.mul(x, 1.0 / n, out=acc)
         torch.lerp(x, m, beta, out=acc)
 
@@ -190,24 +196,35 @@ def additive_update(
     spares: list[Tensor],
     params: list[Tensor],
     grads: list[Tensor] | None,
+    offset: list[Tensor] | None,
+    noise: list[Tensor],
     *,
     n: int,
     beta: float,
     lr: Tensor,
     mean: float | None,
+    draw: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas, one loop per parameter under ``torch.compile``: the
-    new momentum into ``accs``, the moved element into ``spares``, θ into ``params``;
-    returns each new momentum's sum (not finite if any entry is not)."""
+    new momentum into ``accs``, the moved element into ``spares``, θ into ``params`` (the
+    point estimate; with ``draw``, the next sample m' + ξ', ξ' read from the accumulator
+    of a one-sample step and kept in ``noise``); returns each new momentum's sum (not
+    finite if any entry is not)."""
     sums = []
     for i, (acc, m, g, spare, p) in enumerate(
         zip(accs, momenta, elements, spares, params, strict=True)
     ):
-        new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta)
+        c = 0.0 if offset is None else offset[i]
+        new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta, offset=c)
         moved = additive_move(g, new, lr)
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            xi = acc.clone()
+            p.copy_(moved + xi)
+            noise[i].copy_(xi)
+        else:
+            p.copy_(additive_readout(moved, mean))
         acc.copy_(new)
         spare.copy_(moved)
-        p.copy_(additive_readout(moved, mean))
         sums.append(new.sum())
     return sums
 
@@ -219,13 +236,16 @@ def additive(
     n: int,
     beta: float,
     lr: float,
+    offset: list[Tensor] | None,
+    draw: bool,
     compile: bool,
 ) -> Proposal:
     """The additive rule's update of a param group from its accumulators (``n`` samples) or
-    the ``grads`` of its one deferred sample: eager, in place, or as one compiled kernel per
-    parameter into the spares."""
+    the ``grads`` of its one deferred sample, with a prior's ``offset`` of the algebra
+    gradient: eager, in place, or as one compiled kernel per parameter into the spares
+    (which also draws the next sample with ``draw``)."""
     if not compile:
-        additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads)
+        additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads, offset=offset)
         return Proposal(t.accs, commit=partial(_additive_commit, t, lr=lr))
     rate = torch.tensor(lr, dtype=t.elements[0].dtype)  # a tensor: schedules do not recompile
     sums = compiled(additive_update)(
@@ -235,9 +255,12 @@ def additive(
         t.spares,
         t.params,
         grads,
+        offset,
+        t.noise,
         n=n,
         beta=beta,
         lr=rate,
         mean=t.mean,
+        draw=draw,
     )
     return Proposal(t.accs, sums)

@@ -28,7 +28,7 @@ from ..groups import DiagonalAffineGroup
 from ..groups.affine import exprel
 from .base import BLROptimizer
 from .checks import check_number
-from .kernel_utils import LOG2E, Rows, compiled, momentum
+from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
 from .options import EngineOptions
 from .scratch import state_dtype
 from .tensors import GroupTensors, Proposal, SampleGrads
@@ -93,6 +93,8 @@ class AffineBLR(BLROptimizer):
     """
 
     lie_group: DiagonalAffineGroup
+
+    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
 
     def __init__(
         self,
@@ -160,14 +162,16 @@ class AffineBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         affine_accumulate(t.accs, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample) -> Proposal:
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
         lr = group["lr"]
+        entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         return affine(
             t,
             sample,
+            draw=draw,
             n=n,
             betas=(group["scale_momentum"], group["momentum"]),
-            shift=group["temperature"] / group["data_size"] if group["temperature"] else 0.0,
+            offset=entropy if prior is None else prior,
             lr=lr,
             scale_lr=lr * group["scale_ratio"],
             compile=self.compile,
@@ -225,20 +229,27 @@ def affine_momentum_(
     *,
     n: int,
     betas: tuple[float, float],
-    shift: float,
+    offset: float | list[Tensor],
     sample: SampleGrads | None = None,
 ) -> None:
     """:func:`~.kernel_utils.momentum` of both rows in place, into the accumulators:
-    [M_U, M_V] ← [lerp(A acc_U/n − τ/N, M_U, β₂), lerp(A acc_V/n, M_V, β₁)]; with
-    ``sample`` = (ξ, ∇ℓ̄_δ) of a deferred sample, its :func:`affine_accumulate` made in the
-    same pass."""
+    [M_U, M_V] ← [lerp(A acc_U/n + c_U, M_U, β₂), lerp(A acc_V/n + c_V, M_V, β₁)], c = (−τ/N, 0)
+    from the entropy or a prior's ``offset`` per tensor; with ``sample`` = (ξ, ∇ℓ̄_δ) of a
+    deferred sample, its :func:`affine_accumulate` made in the same pass."""
     for i, (acc, m, g) in enumerate(zip(accs, momenta, elements, strict=True)):
+        if isinstance(offset, float):  # 0-d tensors: the out= forms allocate nothing
+            c_u, c_v = acc.new_full((), offset), None
+        else:
+            c_u, c_v = offset[i][0], offset[i][1]
         if sample is None:
-            for row, offset in enumerate((-shift, 0.0)):
-                torch.addcmul(acc.new_full((), offset), acc[row], g[0], value=1 / n, out=acc[row])
+            torch.addcmul(c_u, acc[0], g[0], value=1 / n, out=acc[0])
+            c = acc.new_zeros(()) if c_v is None else c_v
+            torch.addcmul(c, acc[1], g[0], value=1 / n, out=acc[1])
         else:
             torch.mul(g[0], sample[1][i], out=acc[1])
-            torch.addcmul(acc.new_full((), -shift), acc[1], sample[0][i], out=acc[0])
+            torch.addcmul(c_u, acc[1], sample[0][i], out=acc[0])
+            if c_v is not None:
+                acc[1].add_(c_v)
         for row, beta in enumerate(betas):
             acc[row].lerp_(m[row], beta)
 
@@ -288,18 +299,22 @@ def affine_update(
     spares: list[Rows],
     params: list[Tensor],
     sample: SampleGrads | None,
+    offset: float | list[Rows],
+    noise: list[Tensor],
     *,
     n: int,
     betas: tuple[float, float],
-    shift: float,
     lr: Tensor,
     scale_lr: Tensor,
     mean: float | None,
+    draw: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas over the rows (A, b) of each tensor, one loop per
     parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
-    into ``spares``, θ into ``params``, from the accumulators or a deferred ``sample``
-    (ξ, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample
+    A'ξ' + b', ξ' read from the accumulator's first row in a one-sample step and kept in
+    ``noise``, the step's ξ read from ``noise``), from the accumulators or a deferred
+    ``sample`` (ξ, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
     sums = []
     for i, (acc, m, g, spare, p) in enumerate(
         zip(accs, momenta, elements, spares, params, strict=True)
@@ -308,14 +323,20 @@ def affine_update(
             x_u, x_v = acc[0] * g[0], acc[1] * g[0]
         else:
             x_v = g[0] * sample[1][i]
-            x_u = x_v * sample[0][i]
-        u = momentum(x_u, m[0], n=n, beta=betas[0], shift=shift)
-        v = momentum(x_v, m[1], n=n, beta=betas[1])
+            x_u = x_v * (noise[i] if draw else sample[0][i])
+        c = (offset, 0.0) if isinstance(offset, float) else offset[i]
+        u = momentum(x_u, m[0], n=n, beta=betas[0], offset=c[0])
+        v = momentum(x_v, m[1], n=n, beta=betas[1], offset=c[1])
         A, b = affine_move(g, u, v, lr, scale_lr)
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            xi = acc[0].clone()
+            p.copy_(A * xi + b)
+            noise[i].copy_(xi)
+        else:
+            p.copy_(affine_readout(A, b, mean))
         for row, (new_m, new_g) in enumerate(((u, A), (v, b))):
             acc[row].copy_(new_m)
             spare[row].copy_(new_g)
-        p.copy_(affine_readout(A, b, mean))
         sums.append(u.sum() + v.sum())
     return sums
 
@@ -324,19 +345,20 @@ def affine(
     t: GroupTensors,
     sample: SampleGrads | None,
     *,
+    draw: bool,
     n: int,
     betas: tuple[float, float],
-    shift: float,
+    offset: float | list[Tensor],
     lr: float,
     scale_lr: float,
     compile: bool,
 ) -> Proposal:
     """The affine rule's update of a param group from its accumulators (``n`` samples) or
     its one deferred ``sample`` (ξ, ∇ℓ̄_δ): eager, in place, or as one compiled kernel per
-    parameter into the spares."""
+    parameter into the spares (which also draws the next sample with ``draw``)."""
     if not compile:
         affine_momentum_(
-            t.accs, t.momenta, t.elements, n=n, betas=betas, shift=shift, sample=sample
+            t.accs, t.momenta, t.elements, n=n, betas=betas, offset=offset, sample=sample
         )
         commit = partial(_affine_commit, t, lr=lr, scale_lr=scale_lr)
         return Proposal(t.accs, commit=commit)
@@ -345,11 +367,13 @@ def affine(
         *(t.rows(ts, True) for ts in (t.accs, t.momenta, t.elements, t.spares)),  # type: ignore[arg-type]
         t.params,
         sample,
+        offset if isinstance(offset, float) else rows(offset),  # new each step
+        t.noise,
         n=n,
         betas=betas,
-        shift=shift,
         lr=torch.tensor(lr, dtype=dtype),
         scale_lr=torch.tensor(scale_lr, dtype=dtype),
         mean=t.mean,
+        draw=draw,
     )
     return Proposal(t.accs, sums)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
+from ..posterior import Posterior
 from .amp import inverse_scale, record_finite, scaler_step
 from .checks import check_choice, check_count
 from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
@@ -53,17 +54,11 @@ class BLROptimizer(SampleHolding):
     r"""Base class of the Lie-group rules: the Monte-Carlo loop and everything rules share.
 
     Each trained parameter θ is the readout of :math:`g \cdot \xi`, :math:`\xi \sim q_0`, with
-    its own group element g; outside :meth:`sampled_params` it holds the point estimate.
-
-    Sample protocol (what :func:`~liegroup_blr.mc.mc_step` and custom loops use):
-    :meth:`draw` writes a sample into the parameters and returns a :class:`Sample`;
-    :meth:`accumulate` adds that sample's algebra gradient (from ``p.grad`` or given
-    gradients) to the pending step, at once or, with ``defer=True``, when the next sample is
-    drawn or accumulated or the step is taken; :meth:`restore` writes the point estimates back;
-    :attr:`pending_samples` counts what :meth:`step` (without a closure) will average.
-
-    The keyword-only arguments after ``point_estimate`` are the engine's options,
-    :class:`~liegroup_blr.optim.EngineOptions`.
+    its own group element g; outside :meth:`sampled_params` it holds the point estimate (or,
+    ``between_steps="sample"``, a sample). The sample protocol (:meth:`draw`,
+    :meth:`accumulate`, :meth:`restore`, :attr:`pending_samples`) is what
+    :func:`~liegroup_blr.mc.mc_step` and custom loops use. The keyword-only arguments after
+    ``point_estimate`` are the engine's options, :class:`~liegroup_blr.optim.EngineOptions`.
 
     Args:
         params: parameters or param groups.
@@ -75,6 +70,8 @@ class BLROptimizer(SampleHolding):
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
+    draws_in_update: tuple[str, ...] = ()  # noise sources with which the compiled update
+    # draws the next sample (``draw``): where that saves passes over the state
     lie_group: LieGroup
 
     def __init__(
@@ -94,6 +91,7 @@ class BLROptimizer(SampleHolding):
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
         max_consecutive_skips: int | None = None,
+        prior: Posterior | None = None,
     ) -> None:
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
@@ -125,6 +123,8 @@ class BLROptimizer(SampleHolding):
             broadcast_elements([s["element"] for s in self.state.values()], process_group)
             self.restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
+        if prior is not None:
+            self.set_prior(prior)
         if between_steps == "sample":
             self._draw_resident()
 
@@ -151,18 +151,19 @@ class BLROptimizer(SampleHolding):
         t: GroupTensors,
         n: int,
         sample: SampleGrads | None,
+        prior: list[Tensor] | None,
+        draw: bool,
     ) -> Proposal | None:
         """The update from the accumulators (n samples) and the deferred ``sample`` (its
-        noise and gradients: not yet in them, and then the only one, ``n = 1``); ``None``
-        rejects the step."""
+        noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
+        prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
+        entropy's when the optimizer has a prior; ``None`` rejects the step. With ``draw``
+        (a compiled one-sample step, ``between_steps="sample"``; the next sample's ξ' is in
+        the accumulators) the update writes the next sample θ = readout(g'·ξ') into the
+        parameters and its noise into ``t.noise`` instead of the point estimate."""
         raise NotImplementedError
 
     # --------------------------------------------------------- sample protocol
-    @property
-    def pending_samples(self) -> int:
-        """Samples accumulated since the last update."""
-        return self._engine.samples
-
     @torch.no_grad()
     def draw(self, train: bool = True) -> Sample:
         """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
@@ -259,15 +260,6 @@ class BLROptimizer(SampleHolding):
             )
         return deferred
 
-    @torch.no_grad()
-    def discard(self) -> None:
-        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
-        point estimates again (between_steps="sample": a fresh sample); gradients left by
-        the abandoned samples are nobody's."""
-        self._end_step()
-        self._fresh_gradients()
-        self._between_steps()
-
     def _fresh_gradients(self) -> list[Tensor]:
         """The gradients of trained parameters made or changed since the engine last looked,
         remembered now: by a weak reference (a new tensor where a freed one was is not
@@ -312,8 +304,8 @@ class BLROptimizer(SampleHolding):
         (the scaler backs off) and the loss scale is taken off the gradients.
         """
         engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("step() cannot be called inside sampled_params()")
+        if engine.holding:
+            raise RuntimeError(f"step() cannot be called inside {engine.holding}()")
         inv_scale, found_inf = scaler_step(self, closure)
         loss = None
         if closure is not None:
@@ -335,7 +327,10 @@ class BLROptimizer(SampleHolding):
         """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
         engine = self._engine
         fresh = self._fresh_gradients()
-        if fresh and bool(torch.stack([g.abs().amax() for g in fresh]).gt(0).any()):
+        made_outside = bool(fresh) and bool(
+            torch.stack([g.abs().amax() for g in fresh]).gt(0).any()
+        )
+        if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
             self._refuse_outside_gradients()
         losses = []
         try:
@@ -344,7 +339,7 @@ class BLROptimizer(SampleHolding):
                 sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
                 with torch.enable_grad():
                     value = closure()
-                if self._fresh_gradients():
+                if self._fresh_gradients() or (s == 0 and made_outside):
                     self._accumulate_sample(sample, None, defer=True)
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
                 elif rng is not None:  # a closure that made no gradient takes no sample (a
@@ -369,6 +364,13 @@ class BLROptimizer(SampleHolding):
             self._accumulate_deferred()
             accs = [a for _, _, t in work for a in t.accs]
             n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
+        drawn = dict(engine.tensors)
+        fused = self.compile and self.noise_source.kind in self.draws_in_update
+        fused = started = (
+            fused and self.between_steps == "sample" and n == 1 and len(work) == len(drawn)
+        )
+        if started:
+            self._start_next_sample()
         proposals: list[Proposal] = []
         for index, group, t in work if finite else []:
             deferred, sample = self._take_deferred(index), None
@@ -376,15 +378,15 @@ class BLROptimizer(SampleHolding):
                 grads = deferred.raw
                 if deferred.decay is not None or inv_scale != 1.0:
                     grads = deferred.gradients(inv_scale, self._scratch)
-            if (
-                deferred is not None
-                and deferred.first
-                and (deferred.tensors is t or _same(deferred.tensors, t))
-            ):
-                sample = deferred.noise, grads  # the step's one sample
-            elif deferred is not None:  # e.g. a parameter frozen between accumulate and step
-                self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
-            proposal = self._propose(group, t, n, sample)
+                if deferred.first and (deferred.tensors is t or _same(deferred.tensors, t)):
+                    sample = deferred.noise, grads  # the step's one sample
+                else:  # e.g. a parameter frozen between accumulate and step
+                    self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
+            prior = None if engine.prior is None else engine.prior.gradients(self, group, t)
+            fused = fused and sample is not None and t is drawn[index]
+            if fused:
+                self._next_noise(index, group, t, sample[0])  # type: ignore[index]
+            proposal = self._propose(group, t, n, sample, prior, fused)
             if proposal is None:
                 break
             proposals.append(proposal)
@@ -404,31 +406,29 @@ class BLROptimizer(SampleHolding):
             self._skip()
         if self.grad_scaler is not None:
             record_finite(self.grad_scaler, moved or not work)
-        drawn = dict(engine.tensors)
         engine.end_step()
-        self.noise_source.end_step()
         if self.between_steps == "sample":
-            self._draw_resident()
-        elif len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
+            self._hold_next_sample(drawn, started, fused and moved)
+            return
+        self.noise_source.end_step()
+        if len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
             self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
 
     def _skip(self) -> None:
-        """Count a skipped step; warn (unless a GradScaler is calibrating), and raise after
-        ``max_consecutive_skips`` in a row."""
+        """Count a skipped step; unless a GradScaler is calibrating its scale (a skip it
+        expects), warn and raise after ``max_consecutive_skips`` in a row."""
         engine = self._engine
         engine.skipped += 1
+        if "found_inf" in vars(self) or (self.grad_scaler and self.grad_scaler.is_enabled()):
+            return
         engine.consecutive += 1
         row = engine.consecutive
-        calibrating = "found_inf" in vars(self) or (  # a GradScaler's business
-            self.grad_scaler is not None and self.grad_scaler.is_enabled()
+        warnings.warn(
+            f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
+            f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
+            RuntimeWarning,
+            stacklevel=4,
         )
-        if not calibrating:
-            warnings.warn(
-                f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
-                f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
         if self.max_consecutive_skips is not None and row >= self.max_consecutive_skips:
             raise FloatingPointError(
                 f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "

@@ -171,19 +171,23 @@ class LieGroupBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         generic_accumulate(self._group_of(group), t.accs, t.elements, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample) -> Proposal | None:
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal | None:
         G = self._group_of(group)
         weight = 0.0 if G.constant_entropy else group["temperature"]
         weight = weight / group["data_size"] if weight else 0.0
+        offsets: list[Tensor | float] = (
+            [torch.mul(self._entropy_gradient(group, p), -weight) for p in t.params]
+            if prior is None and weight
+            else prior or [0.0] * len(t.params)
+        )
         return generic(
             G,
             t,
             sample,
-            [self._entropy_gradient(group, p) if weight else None for p in t.params],
+            offsets,
             [self._precondition(group, p) for p in t.params],
             n=n,
             beta=group["momentum"],
-            weight=weight,
             lr=group["lr"],
             reference=[self._reference(group, p, t.mean) for p in t.params],
             compile=self.compile,
@@ -243,6 +247,47 @@ class LieGroupBLR(BLROptimizer):
         return state
 
 
+def _identity(X: Tensor) -> Tensor:
+    return X
+
+
+def component_factors(spec: Sequence[float] | Mapping[str, float] | Tensor, G: LieGroup) -> Tensor:
+    """Per-component step factors as a 1-d tensor (by name through ``G.components``)."""
+    if isinstance(spec, Mapping):
+        unknown = set(spec) - set(G.components)
+        if unknown or not G.components:
+            raise ValueError(
+                f"preconditioner: unknown components {sorted(unknown or spec)}; "
+                f"{type(G).__name__} has {list(G.components)}"
+            )
+        spec = [float(spec.get(name, 1.0)) for name in G.components]
+    factors = torch.as_tensor(spec, dtype=torch.float64)
+    if factors.ndim != 1 or not bool((factors > 0).all()):
+        raise ValueError("preconditioner: per-component factors must be a 1-d positive list")
+    return factors
+
+
+def _scale_components(X: Tensor, factors: Tensor) -> Tensor:
+    if len(factors) == 1:
+        return X * float(factors[0])
+    if X.shape[0] != len(factors):
+        raise ValueError(
+            f"preconditioner: {len(factors)} factors for {X.shape[0]} algebra components"
+        )
+    return X * factors.to(X).view(-1, *([1] * (X.ndim - 1)))
+
+
+def check_preconditioner(spec: Preconditioner, G: LieGroup) -> None:
+    """ValueError naming ``preconditioner`` for a spec that cannot work with ``G``."""
+    if spec is None or callable(spec):
+        return
+    if isinstance(spec, str):
+        if spec != "fisher":
+            raise ValueError(f"preconditioner: unknown {spec!r}; use None, 'fisher', ...")
+        return
+    component_factors(spec, G)
+
+
 # ------------------------------------------------------------------ the kernels
 def generic_draw(
     G: LieGroup, elements: list[Tensor], xi: list[Tensor], params: list[Tensor]
@@ -284,25 +329,23 @@ def generic_update(
     momenta: list[Tensor],
     elements: list[Tensor],
     sample: SampleGrads | None,
-    entropy: list[Tensor | None],
+    offsets: list[Tensor | float],
     preconditioners: list[Callable[[Tensor], Tensor]],
     *,
     n: int,
     beta: float,
-    weight: float,
     lr: float | Tensor,
 ) -> list[Tensor]:
-    """acc ← β M + (1 − β) P(acc/n − (τ/N)∇H), with acc the algebra gradient of a deferred
-    ``sample`` (ξ, ∇ℓ̄_δ) when there is one; returns the proposed g·exp(−α acc). ``entropy``
-    holds ∇H per tensor, ``None`` where the weight τ/N is 0."""
+    """acc ← β M + (1 − β) P(acc/n + c), with acc the algebra gradient of a deferred ``sample``
+    (ξ, ∇ℓ̄_δ) when there is one and c per tensor the entropy's −(τ/N)∇H or a prior's
+    (τ/N)∇KL; returns the proposed g·exp(−α acc)."""
     if sample is not None:
         generic_accumulate(G, accs, elements, *sample, first=True)
     proposals = []
-    for acc, m, g, h, precondition in zip(
-        accs, momenta, elements, entropy, preconditioners, strict=True
+    for acc, m, g, c, precondition in zip(
+        accs, momenta, elements, offsets, preconditioners, strict=True
     ):
-        X = acc / n if h is None else torch.sub(acc / n, h, alpha=weight)
-        acc.copy_(torch.lerp(precondition(X), m, beta))
+        acc.copy_(torch.lerp(precondition(acc / n + c), m, beta))
         proposals.append(G.step(g, acc * -lr))
     return proposals
 
@@ -318,12 +361,11 @@ def generic(
     G: LieGroup,
     t: GroupTensors,
     sample: SampleGrads | None,
-    entropy: list[Tensor | None],
+    offsets: list[Tensor | float],
     preconditioners: list[Callable[[Tensor], Tensor]],
     *,
     n: int,
     beta: float,
-    weight: float,
     lr: float,
     reference: list[Tensor],
     compile: bool,
@@ -337,59 +379,8 @@ def generic(
         kernel = compiled(generic_update)
         rate = torch.tensor(lr, dtype=t.elements[0].dtype)  # schedules do not recompile
     moved = kernel(
-        G,
-        t.accs,
-        t.momenta,
-        t.elements,
-        sample,
-        entropy,
-        preconditioners,
-        n=n,
-        beta=beta,
-        weight=weight,
-        lr=rate,
+        G, t.accs, t.momenta, t.elements, sample, offsets, preconditioners, n=n, beta=beta, lr=rate
     )
     if not all(G.check_element(g)[0] for g in moved):
         return None
     return Proposal(t.accs + moved, commit=partial(_generic_commit, G, t, moved, reference))
-
-
-def _identity(X: Tensor) -> Tensor:
-    return X
-
-
-def component_factors(spec: Sequence[float] | Mapping[str, float] | Tensor, G: LieGroup) -> Tensor:
-    """Per-component step factors as a 1-d tensor (by name through ``G.components``)."""
-    if isinstance(spec, Mapping):
-        unknown = set(spec) - set(G.components)
-        if unknown or not G.components:
-            raise ValueError(
-                f"preconditioner: unknown components {sorted(unknown or spec)}; "
-                f"{type(G).__name__} has {list(G.components)}"
-            )
-        spec = [float(spec.get(name, 1.0)) for name in G.components]
-    factors = torch.as_tensor(spec, dtype=torch.float64)
-    if factors.ndim != 1 or not bool((factors > 0).all()):
-        raise ValueError("preconditioner: per-component factors must be a 1-d positive list")
-    return factors
-
-
-def _scale_components(X: Tensor, factors: Tensor) -> Tensor:
-    if len(factors) == 1:
-        return X * float(factors[0])
-    if X.shape[0] != len(factors):
-        raise ValueError(
-            f"preconditioner: {len(factors)} factors for {X.shape[0]} algebra components"
-        )
-    return X * factors.to(X).view(-1, *([1] * (X.ndim - 1)))
-
-
-def check_preconditioner(spec: Preconditioner, G: LieGroup) -> None:
-    """ValueError naming ``preconditioner`` for a spec that cannot work with ``G``."""
-    if spec is None or callable(spec):
-        return
-    if isinstance(spec, str):
-        if spec != "fisher":
-            raise ValueError(f"preconditioner: unknown {spec!r}; use None, 'fisher', ...")
-        return
-    component_factors(spec, G)

@@ -11,16 +11,16 @@ import torch
 from torch import Tensor
 
 from .amp import inverse_scale
-from .state import GroupStateOptimizer
-from .tensors import GroupTensors
+from .prior import PriorHolding
+from .tensors import GroupTensors, Sample
 
 if TYPE_CHECKING:
-    from .tensors import Deferred, Sample
+    from .tensors import Deferred
 
 __all__ = ["SampleHolding"]
 
 
-class SampleHolding(GroupStateOptimizer):
+class SampleHolding(PriorHolding):
     """The part of :class:`~liegroup_blr.optim.BLROptimizer` that decides what the parameters
     hold: :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`,
     :meth:`~liegroup_blr.optim.BLROptimizer.point_estimate`, and the training sample that
@@ -31,7 +31,6 @@ class SampleHolding(GroupStateOptimizer):
         def draw(self, train: bool = True) -> Sample: ...
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
-        def discard(self) -> None: ...
         def _take_deferred(self, index: int) -> Deferred | None: ...
         def _accumulate(
             self,
@@ -42,6 +41,20 @@ class SampleHolding(GroupStateOptimizer):
             first: bool,
         ) -> None: ...
 
+    @property
+    def pending_samples(self) -> int:
+        """Samples accumulated since the last update."""
+        return self._engine.samples
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Abandon the pending samples: nothing is accumulated, and the parameters hold the
+        point estimates again (between_steps="sample": a fresh sample); gradients left by
+        the abandoned samples are nobody's."""
+        self._end_step()
+        self._fresh_gradients()
+        self._between_steps()
+
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps: the point estimates, or
         (between_steps="sample") a fresh sample."""
@@ -51,11 +64,48 @@ class SampleHolding(GroupStateOptimizer):
             self.restore()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As :meth:`GroupStateOptimizer.add_param_group`; with ``between_steps="sample"`` every
+        """As ``GroupStateOptimizer.add_param_group``; with ``between_steps="sample"`` every
         trained parameter then holds a fresh sample (the new ones included)."""
         super().add_param_group(param_group)
         if self._engine.resident is not None:
             self._draw_resident()
+
+    def _start_next_sample(self) -> None:
+        """Open the next training sample before the update that draws it (a compiled update
+        in sample mode), keeping the generators' state from before it."""
+        self._engine.resident_rng = self.noise_source.state_dict()
+        self.noise_source.end_step()
+        self.noise_source.start_sample(True)
+
+    def _next_noise(
+        self, index: int, group: dict[str, Any], t: GroupTensors, current: list[Tensor]
+    ) -> None:
+        """Draw the next sample's ξ of param group ``index`` into the accumulators (the first
+        entries of each: the base's shape), which a one-sample update reads nothing else
+        from and writes the new momenta into after it read ξ; and make ``t.noise`` hold the
+        step's sample's noise, which that update reads and overwrites."""
+        outs = [a.view(-1)[: b.numel()].view(b.shape) for a, b in zip(t.accs, t.noise, strict=True)]
+        xi = self.noise_source.sample(outs, group["base"], t.params, index)
+        if xi is not outs:  # windows of a noise table
+            torch._foreach_copy_(outs, xi)
+        if any(c is not n for c, n in zip(current, t.noise, strict=True)):
+            torch._foreach_copy_(t.noise, current)  # the step's ξ was a table window
+
+    def _hold_next_sample(
+        self, drawn: dict[int, GroupTensors], started: bool, drawn_by_update: bool
+    ) -> None:
+        """After a step in sample mode: the sample the update drew is the parameters' (its
+        noise in the noise buffers), or, when it did not (an eager step, a skipped one, a
+        parameter without a sample), one is drawn now from the same generators' state."""
+        if drawn_by_update:
+            params = [p for t in drawn.values() for p in t.params]
+            noise = [n for t in drawn.values() for n in t.noise]
+            self._engine.resident = Sample(params, params, noise)
+            return
+        if started:
+            self.noise_source.load_state_dict(self._engine.resident_rng or {})
+        self.noise_source.end_step()
+        self._draw_resident()
 
     def _draw_resident(self) -> None:
         """Draw the sample the parameters hold until the next step, keeping the noise
@@ -77,14 +127,14 @@ class SampleHolding(GroupStateOptimizer):
         ``train=True`` is refused there: the parameters already hold a training sample).
         """
         engine = self._engine
-        if engine.sampling:
-            raise RuntimeError("sampled_params blocks cannot be nested")
+        if engine.holding:
+            raise RuntimeError(f"sampled_params() cannot be nested inside {engine.holding}()")
         if train and self.between_steps == "sample":
             raise RuntimeError(
                 "sampled_params(train=True) with between_steps='sample': the parameters "
                 "already hold a training sample; run forward and backward, then step()"
             )
-        engine.sampling = True
+        engine.holding = "sampled_params"
         try:
             with self._holding_resident():
                 sample = self.draw(train)
@@ -92,11 +142,11 @@ class SampleHolding(GroupStateOptimizer):
                 if train:
                     self.accumulate(sample, defer=True)
         finally:
-            engine.sampling = False
+            engine.holding = ""
             if not engine.samples:
                 engine.tensors.clear()  # parameters may be frozen before the next step
-            if self.between_steps == "point":
-                self.restore()
+            if self.between_steps == "point" or engine.resident is None:
+                self._write_points()
 
     @contextmanager
     def point_estimate(self) -> Iterator[None]:
@@ -104,12 +154,17 @@ class SampleHolding(GroupStateOptimizer):
         every parameter the optimizer has trained (frozen ones too) for the block, whatever
         they hold between steps; on exit they hold what they held before (with
         ``between_steps="sample"``, the training sample)."""
+        engine = self._engine
+        if engine.holding:
+            raise RuntimeError(f"point_estimate() cannot be nested inside {engine.holding}()")
         params = [p for group in self.param_groups for p in group["params"] if p in self.state]
         kept = [p.detach().clone() for p in params]
+        engine.holding = "point_estimate"
         try:
-            self.restore(frozen=True)
+            self._write_points(frozen=True)
             yield
         finally:
+            engine.holding = ""
             with torch.no_grad():
                 torch._foreach_copy_(params, kept)
 
@@ -151,18 +206,29 @@ class SampleHolding(GroupStateOptimizer):
                 f"step() without a closure takes one sample, the parameters' own, in "
                 f"between_steps='sample'; mc_samples={self.mc_samples} needs step(closure)"
             )
-        self.accumulate(self._engine.resident, defer=True)  # type: ignore[arg-type]
+        if self._engine.resident is None:
+            raise RuntimeError(
+                "step() without a closure after restore(): the parameters hold the point "
+                "estimate, not a training sample; hold it with `with optimizer.point_estimate():` "
+                "instead, or draw a sample again with optimizer.load_state_dict("
+                "optimizer.state_dict())"
+            )
+        self.accumulate(self._engine.resident, defer=True)
 
     def _refuse_outside_gradients(self) -> None:
         """Gradients were made outside ``step(closure)`` since the last update: at the point
         estimate, or, with several samples, only at the first."""
-        if self.between_steps == "sample" and self.mc_samples == 1:
+        at_point = self.between_steps == "point" or self._engine.resident is None  # restore()
+        if not at_point and self.mc_samples == 1:
             return  # the parameters' sample: the closure adds to it or starts it afresh
-        where = "at the point estimate" if self.between_steps == "point" else "at one sample"
+        where = "at the point estimate" if at_point else "at one sample"
         fix = (
             "construct the optimizer with between_steps='sample' and mc_samples=1"
             if self.between_steps == "point"
             else "set mc_samples=1"
+            if not at_point
+            else "zero the gradients before step(closure), or hold the point estimate with "
+            "`with optimizer.point_estimate():` instead of restore()"
         )
         self.discard()
         raise RuntimeError(

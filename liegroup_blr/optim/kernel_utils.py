@@ -36,8 +36,8 @@ def rows(tensors: list[Tensor], stacked: bool = True) -> list[Rows]:
     return [tuple(t.unbind(0)) if stacked else (t,) for t in tensors]
 
 
-def momentum(x: Tensor, m: Tensor, *, n: int, beta: float, shift: float = 0.0) -> Tensor:
-    r""":math:`M' = \beta M + (1 - \beta)(x/n - s)`: the new momentum from the sum x of n
-    samples' algebra gradients, with the constant part s of the algebra gradient (τ/N, the
-    entropy's, for the scaling components)."""
-    return torch.lerp(x * (1.0 / n) - shift, m, beta)
+def momentum(x: Tensor, m: Tensor, *, n: int, beta: float, offset: float | Tensor = 0.0) -> Tensor:
+    r""":math:`M' = \beta M + (1 - \beta)(x/n + c)`: the new momentum from the sum x of n
+    samples' algebra gradients and the part c of the algebra gradient that is not the loss's:
+    the entropy's −τ/N, or the prior's (τ/N)∇KL(q ‖ prior)."""
+    return torch.lerp(x * (1.0 / n) + offset, m, beta)

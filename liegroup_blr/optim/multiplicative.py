@@ -29,7 +29,7 @@ from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
 from .base import BLROptimizer
 from .checks import check_number
-from .kernel_utils import LOG2E, Rows, compiled, momentum
+from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
 from .options import EngineOptions
 from .scratch import state_dtype
 from .tensors import GroupTensors, Proposal, SampleGrads
@@ -95,6 +95,8 @@ class MultiplicativeBLR(BLROptimizer):
     """
 
     lie_group: MultiplicativeGroup
+
+    draws_in_update = ("fresh", "table")  # w = g ⊙ ξ is written either way
 
     def __init__(
         self,
@@ -164,14 +166,15 @@ class MultiplicativeBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 
-    def _propose(self, group, t, n, sample) -> Proposal:
-        shift = group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
+        entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         return multiplicative(
             t,
             sample,
+            draw=draw,
             n=n,
             beta=group["momentum"],
-            shift=shift,
+            offset=entropy if prior is None else prior,
             lr=group["lr"],
             signed=self.signed,
             compile=self.compile,
@@ -235,23 +238,25 @@ def multiplicative_momentum_(
     *,
     n: int,
     beta: float,
-    shift: float,
+    offset: float | list[Tensor],
     signed: bool,
     sample: SampleGrads | None = None,
 ) -> None:
     """:func:`~.kernel_utils.momentum` in place, into the accumulators: acc ← β M + (1 − β)
-    (acc/n − τ/N); with ``sample`` = (w, ∇ℓ̄_δ) of a deferred sample, its
-    :func:`multiplicative_accumulate` made in the same pass."""
+    (acc/n + c), c the entropy's −τ/N or a prior's ``offset`` per tensor; with ``sample`` =
+    (w, ∇ℓ̄_δ) of a deferred sample, its :func:`multiplicative_accumulate` made in the same
+    pass."""
     signs = (1.0, -1.0) if signed else (1.0,)
     for i, (acc, m) in enumerate(zip(accs, momenta, strict=True)):
-        offset = acc.new_full((), -shift)  # a 0-d tensor: the out= forms allocate nothing
+        # a 0-d tensor for a number: the out= forms allocate nothing
+        c = acc.new_full((), offset) if isinstance(offset, float) else offset[i]
         if sample is None:
-            torch.add(offset, acc, alpha=1.0 / n, out=acc)
+            torch.add(c, acc, alpha=1.0 / n, out=acc)
         else:
             w, grad = sample[0][i], sample[1][i]
             for j, sign in enumerate(signs):
-                row = (acc[j], w[j]) if signed else (acc, w)
-                torch.addcmul(offset, row[1], grad, value=sign / n, out=row[0])
+                out, wj, cj = (acc[j], w[j], c[j] if c.dim() else c) if signed else (acc, w, c)
+                torch.addcmul(cj, wj, grad, value=sign / n, out=out)
         acc.lerp_(m, beta)
 
 
@@ -296,17 +301,21 @@ def multiplicative_update(
     spares: list[Rows],
     params: list[Tensor],
     sample: tuple[list[Rows], list[Tensor]] | None,
+    offset: float | list[Rows],
+    noise: list[Rows],
     *,
     n: int,
     beta: float,
-    shift: float,
     lr: Tensor,
     mean: float | None,
+    draw: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas over the rows (g⁺, g⁻) or (g,) of each tensor, one loop
     per parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
-    into ``spares``, θ into ``params``, from the accumulators or a deferred ``sample``
-    (w, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample's
+    readout of w' = g' ⊙ ξ', ξ' read from the accumulator of a one-sample step, w' kept in
+    ``noise``), from the accumulators or a deferred ``sample`` (w, ∇ℓ̄_δ); returns each new
+    momentum's sum (not finite if any entry is not)."""
     sums = []
     for i, (acc, m, g, spare, p) in enumerate(
         zip(accs, momenta, elements, spares, params, strict=True)
@@ -318,12 +327,19 @@ def multiplicative_update(
                 if sample is None
                 else sample[0][i][j] * (-sample[1][i] if j else sample[1][i])
             )
-            news.append(momentum(x, m[j], n=n, beta=beta, shift=shift))
+            c = offset if isinstance(offset, float) else offset[i][j]
+            news.append(momentum(x, m[j], n=n, beta=beta, offset=c))
             moved.append(multiplicative_move(g[j], news[j], lr))
+        if draw:  # ξ' read from the accumulator before the new momentum is written there
+            w = [moved[j] * acc[j] for j in range(len(g))]
+            p.copy_(multiplicative_readout(tuple(w), None))
+            for j in range(len(g)):
+                noise[i][j].copy_(w[j])
+        else:
+            p.copy_(multiplicative_readout(tuple(moved), mean))
         for j in range(len(g)):  # the writes after all reads: one loop under inductor
             acc[j].copy_(news[j])
             spare[j].copy_(moved[j])
-        p.copy_(multiplicative_readout(tuple(moved), mean))
         sums.append(news[0].sum() + news[1].sum() if len(news) == 2 else news[0].sum())
     return sums
 
@@ -332,30 +348,33 @@ def multiplicative(
     t: GroupTensors,
     sample: SampleGrads | None,
     *,
+    draw: bool,
     n: int,
     beta: float,
-    shift: float,
+    offset: float | list[Tensor],
     lr: float,
     signed: bool,
     compile: bool,
 ) -> Proposal:
     """The multiplicative rule's update of a param group from its accumulators (``n``
     samples) or its one deferred ``sample`` (w, ∇ℓ̄_δ): eager, in place, or as one compiled
-    kernel per parameter into the spares."""
+    kernel per parameter into the spares (which also draws the next sample with ``draw``)."""
     if not compile:
         multiplicative_momentum_(
-            t.accs, t.momenta, n=n, beta=beta, shift=shift, signed=signed, sample=sample
+            t.accs, t.momenta, n=n, beta=beta, offset=offset, signed=signed, sample=sample
         )
         return Proposal(t.accs, commit=partial(_multiplicative_commit, t, lr=lr, signed=signed))
-    rows = None if sample is None else (t.rows(sample[0], signed), sample[1])
+    deferred = None if sample is None else (t.rows(sample[0], signed), sample[1])
     sums = compiled(multiplicative_update)(
         *(t.rows(ts, signed) for ts in (t.accs, t.momenta, t.elements, t.spares)),  # type: ignore[arg-type]
         t.params,
-        rows,
+        deferred,
+        offset if isinstance(offset, float) else rows(offset, signed),  # new each step
+        t.rows(t.noise, signed),
         n=n,
         beta=beta,
-        shift=shift,
         lr=torch.tensor(lr, dtype=t.elements[0].dtype),  # a tensor: schedules do not recompile
         mean=t.mean,
+        draw=draw,
     )
     return Proposal(t.accs, sums)

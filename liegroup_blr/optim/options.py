@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from ..posterior import Posterior
+    from .prior import Prior
     from .tensors import Deferred, GroupTensors, Sample
 
 __all__ = ["EngineOptions", "EngineState"]
@@ -35,6 +37,9 @@ class EngineOptions(TypedDict, total=False):
             step's inf check is recorded for ``scaler.update()``.
         max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
             skipped steps (default: never; every skip warns).
+        prior: a :class:`~liegroup_blr.Posterior` used as the prior: the update takes
+            (τ/N)·∇KL(q ‖ prior) in place of the N(0, 1/δ) prior and the entropy term
+            (:meth:`~liegroup_blr.optim.BLROptimizer.set_prior`).
         between_steps: what the parameters hold between steps: ``"point"`` (default), the
             point estimate; ``"sample"``, a fresh posterior sample θ = g·ξ, drawn after
             every step, so any training loop's forward and backward run at a sample and
@@ -52,6 +57,7 @@ class EngineOptions(TypedDict, total=False):
     process_group: Any
     grad_scaler: torch.amp.GradScaler | None
     max_consecutive_skips: int | None
+    prior: Posterior | None
     between_steps: str
 
 
@@ -64,7 +70,7 @@ class EngineState:
 
     Attributes:
         samples: samples accumulated since the last update.
-        sampling: inside a :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` block.
+        holding: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
         skipped: updates skipped for non-finite values, in all.
         consecutive: updates skipped in a row.
         pending: parameters with accumulated samples (a set, ordered).
@@ -75,10 +81,11 @@ class EngineState:
         resident: the training sample the parameters hold between steps
             (``between_steps="sample"``).
         resident_rng: the noise generators' state from before the resident sample's draw.
+        prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
     """
 
     samples: int = 0
-    sampling: bool = False
+    holding: str = ""
     skipped: int = 0
     consecutive: int = 0
     pending: dict[Tensor, None] = field(default_factory=dict)
@@ -87,6 +94,7 @@ class EngineState:
     marks: dict[Tensor, tuple[Callable[[], Tensor | None], int]] = field(default_factory=dict)
     resident: Sample | None = None
     resident_rng: dict[str, Any] | None = None
+    prior: Prior | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""

@@ -115,10 +115,18 @@ class GroupStateOptimizer(Optimizer):
         """Write what the parameters hold between steps (here: the point estimates)."""
         self.restore()
 
-    @torch.no_grad()
     def restore(self, frozen: bool = False) -> None:
         """Write the point estimate into every trained parameter (``frozen``: also into those
-        frozen since they were trained)."""
+        frozen since they were trained). With ``between_steps="sample"`` the parameters then
+        hold no training sample: the next ``step(closure)`` draws one, and a closure-free
+        ``step()`` refuses (its gradients would be the point estimate's)."""
+        self._write_points(frozen)
+        self._engine.resident = None
+
+    @torch.no_grad()
+    def _write_points(self, frozen: bool = False) -> None:
+        """Write the point estimates (as :meth:`restore`), keeping any training sample's
+        bookkeeping."""
         for group in self.param_groups:
             params = [p for p in group["params"] if (frozen or p.requires_grad) and p in self.state]
             if params:
@@ -210,7 +218,7 @@ class GroupStateOptimizer(Optimizer):
         parameters: they are left out (so the dict loads with ``torch.load(weights_only=True)``)
         and :meth:`load_state_dict` keeps those the optimizer was built with.
         """
-        if self._engine.sampling or self._engine.samples:
+        if self._engine.holding == "sampled_params" or self._engine.samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
@@ -225,6 +233,7 @@ class GroupStateOptimizer(Optimizer):
         noise = self._engine.resident_rng or self.noise_source.state_dict()  # before the
         sd["rng"], sd["seed"] = noise["rng"], noise["seed"]  # parameters' sample, if any
         sd["skipped_steps"] = self._engine.skipped
+        sd.update(self._extra_state())
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -241,7 +250,8 @@ class GroupStateOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        extras = {k: state_dict.pop(k) for k in ("rng", "seed", "skipped_steps") if k in state_dict}
+        keys = ("rng", "seed", "skipped_steps", *self._extra_state_keys)
+        extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
         for i, (saved_group, live) in enumerate(
             zip(state_dict["param_groups"], self.param_groups, strict=False)
         ):
@@ -278,6 +288,7 @@ class GroupStateOptimizer(Optimizer):
             {"seed": extras.get("seed", self.seed), "rng": extras.get("rng", {})}
         )
         self._engine.skipped = int(extras.get("skipped_steps", 0))
+        self._load_extra_state(extras)
         self._engine.end_step()  # a loaded state starts between steps
         self._scratch.clear()
         self.noise_source.end_step()
@@ -285,6 +296,16 @@ class GroupStateOptimizer(Optimizer):
         self._between_steps()  # the point estimate, or the saved sample drawn again
         for post_hook in post_hooks.values():
             post_hook(self)
+
+    _extra_state_keys: tuple[str, ...] = ()
+    """Top-level state-dict entries of a subclass (:meth:`_extra_state`)."""
+
+    def _extra_state(self) -> dict[str, Any]:
+        """A subclass's top-level state-dict entries."""
+        return {}
+
+    def _load_extra_state(self, extras: dict[str, Any]) -> None:
+        """Restore :meth:`_extra_state` (absent keys: a state dict saved without them)."""
 
     def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         """Fill in what param groups of older state dicts lack."""

@@ -1,0 +1,448 @@
+r"""Memory maps: how much each training example's prediction would change if it were removed.
+
+The memory-perturbation equation (Nickl, Xu, Tailor, Möllenhoff, Khan, NeurIPS 2023): under a
+posterior with covariance :math:`\Sigma`, leaving example :math:`i` out of training moves its
+logits :math:`f_i` by about
+
+.. math:: f_i^{\setminus i} - f_i \approx V_i\, e_i, \qquad
+          V_i = J_i \Sigma J_i^\top, \qquad e_i = \nabla_{f}\, \ell_i ,
+
+(:math:`J_i` the Jacobian of the logits, :math:`e_i = p_i - y_i` for a softmax likelihood), and
+its probabilities by :math:`\Lambda_i V_i e_i` with :math:`\Lambda_i = \operatorname{diag}(p_i)
+- p_i p_i^\top`. The paper's score keeps the diagonals, :math:`v_i = \operatorname{diag} V_i`
+and :math:`\lambda_i = p_i - p_i^2`:
+
+.. math:: s_i = \sum_k |e_{ik}\, \lambda_{ik}\, v_{ik}| .
+
+The prediction variance :math:`v_i` comes from the Jacobian form or from posterior samples
+(:data:`METHODS`). A rule trained at temperature :math:`\tau` learns about :math:`\tau` times
+the posterior covariance; the equation needs the untempered one, so :math:`V_i` is divided by
+:math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
+from .posterior import Posterior, PosteriorEntry
+
+__all__ = ["METHODS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
+
+METHODS = ("auto", "jacobian", "samples")
+"""Estimates of the prediction variance. ``"jacobian"`` (:math:`\\operatorname{diag}
+J\\Sigma J^\\top` at the posterior mean, for the additive, diagonal affine and multiplicative
+groups), ``"samples"`` (the sample variance of the logits, any group), ``"auto"`` (the
+Jacobian form for the additive and diagonal affine groups, else samples)."""
+
+LIKELIHOODS = ("categorical", "gaussian")
+CHANGES = ("probabilities", "logits")
+_DIAGONAL_GROUPS = (AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup)
+
+
+@dataclass(frozen=True)
+class MemoryMap:
+    """A memory map of ``n`` examples with ``K`` outputs (:func:`memory_map`).
+
+    Attributes:
+        scores: ``[n]``, the estimated change of each example's prediction if it were
+            removed from training: :math:`\\sum_k |e_{ik}\\lambda_{ik}v_{ik}|` for a
+            categorical likelihood (the L1 change of its probabilities), :math:`\\sum_k
+            |v_{ik}e_{ik}|` for a Gaussian one (of its predicted mean) or with
+            ``change="logits"`` (of its logits); with ``cross_class`` the L1 norm of
+            :math:`\\Lambda_i V_i e_i` (of :math:`V_i e_i`).
+        variances: ``[n, K]`` prediction variances :math:`v_i` of the logits (untempered:
+            divided by τ), or ``[n, K, K]`` covariances :math:`V_i` with ``cross_class``.
+        residuals: ``[n, K]`` :math:`e_i = \\nabla_f \\ell_i`: :math:`p_i - y_i`, or
+            :math:`(f_i - y_i)/\\sigma^2` for a Gaussian likelihood of noise variance σ².
+        predictions: ``[n, K]`` the prediction the residuals are taken at: the
+            probabilities :math:`p_i` (softmax of the mean logits), or the mean :math:`f_i`.
+        method: ``"jacobian"`` or ``"samples"``, the one used.
+    """
+
+    scores: Tensor
+    variances: Tensor
+    residuals: Tensor
+    predictions: Tensor
+    method: str
+
+
+# ------------------------------------------------------------------------ public
+def sensitivity(
+    model: nn.Module,
+    posterior: Posterior | Any,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    samples: int = 64,
+    batch_size: int = 256,
+    generator: torch.Generator | None = None,
+    temperature: float | None = None,
+    method: str = "auto",
+    cross_class: bool = False,
+    change: str = "probabilities",
+    likelihood: str = "categorical",
+    noise_variance: float = 1.0,
+) -> Tensor:
+    r"""Memory-map scores: per example, the estimated change of its predicted probabilities if
+    it were removed from training, :math:`\sum_k |e_{ik}\lambda_{ik}v_{ik}|` (a tensor ``[n]``).
+
+    The scores of :func:`memory_map`, which takes the same arguments and also returns the
+    prediction variances and residuals they are built from.
+    """
+    return memory_map(
+        model,
+        posterior,
+        inputs,
+        targets,
+        samples=samples,
+        batch_size=batch_size,
+        generator=generator,
+        temperature=temperature,
+        method=method,
+        cross_class=cross_class,
+        change=change,
+        likelihood=likelihood,
+        noise_variance=noise_variance,
+    ).scores
+
+
+def memory_map(
+    model: nn.Module,
+    posterior: Posterior | Any,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    samples: int = 64,
+    batch_size: int = 256,
+    generator: torch.Generator | None = None,
+    temperature: float | None = None,
+    method: str = "auto",
+    cross_class: bool = False,
+    change: str = "probabilities",
+    likelihood: str = "categorical",
+    noise_variance: float = 1.0,
+) -> MemoryMap:
+    r"""The memory map of ``(inputs, targets)`` under ``posterior``: scores, prediction
+    variances, residuals and predictions (:class:`MemoryMap`).
+
+    Batches of ``batch_size`` examples go through the model at once (no loop per example);
+    memory grows with ``batch_size`` times the number of parameters (``"jacobian"``, times
+    the number of outputs K with ``cross_class``) or times ``samples × K`` (``"samples"``),
+    not with ``n``. Every batch sees the same ``samples`` posterior samples, so the result
+    does not depend on ``batch_size``. Computed on the device of the model's parameters
+    (batches are moved there); returned there.
+
+    Args:
+        model: the network; its parameters are the posterior's (by name, or by position
+            for a posterior taken without a model). Run in eval mode, restored after.
+        posterior: a :class:`~liegroup_blr.Posterior`, or a Lie-group BLR optimizer (or a
+            wrapper of one, see :func:`liegroup_blr.optim.unwrap`), read with
+            :meth:`Posterior.from_optimizer <liegroup_blr.Posterior.from_optimizer>`.
+        inputs: ``[n, ...]`` model inputs.
+        targets: ``[n]`` integer labels (categorical), or ``[n]`` / ``[n, K]`` values
+            (Gaussian).
+        samples: posterior samples for ``method="samples"`` (at least 2); the relative
+            standard error of a sample variance is about √(2/(samples − 1)).
+        batch_size: examples per batch.
+        generator: draws the samples (default: a generator seeded from torch's global one,
+            so ``torch.manual_seed`` makes the result reproducible).
+        temperature: τ the posterior was trained at; the covariance is divided by it. Default:
+            the optimizer's when one is given, else 1 (a Posterior does not record τ: pass
+            it, e.g. 0.006 for the reference multiplicative rule). Rankings do not depend on
+            it, magnitudes do.
+        method: ``"jacobian"``, ``"samples"`` or ``"auto"``: the Jacobian form where every
+            entry is additive or diagonal affine with a finite-variance base, else samples.
+        cross_class: keep the cross-class terms: :math:`\|\Lambda_i V_i e_i\|_1` with the
+            full :math:`V_i` and :math:`\Lambda_i` instead of the paper's diagonal score.
+        change: what the score measures: ``"probabilities"`` (the paper's score, through
+            λ = p − p², which vanishes where the softmax saturates) or ``"logits"``
+            (:math:`\sum_k |v_{ik}e_{ik}|`, the estimated change of the logits themselves).
+            For a Gaussian likelihood the prediction is the mean f and both are
+            :math:`\sum_k |v_{ik}e_{ik}|`.
+        likelihood: ``"categorical"`` (softmax over the last output axis) or ``"gaussian"``
+            (loss :math:`(f - y)^2/2\sigma^2`).
+        noise_variance: σ² of the Gaussian likelihood.
+
+    Raises:
+        ValueError: naming the argument, for a deterministic optimizer, a model that does not
+            hold the posterior's parameters, an unknown method or likelihood, a group or base
+            the Jacobian form cannot take, τ ≤ 0, too few samples, or targets that do not fit.
+    """
+    post, tau = _posterior(posterior, model, temperature)
+    method = _method(post, method)
+    _check_options(inputs, targets, samples, batch_size, likelihood, noise_variance, change)
+    parts: list[tuple[Tensor, ...]] = []
+    with _evaluating(model):
+        for rows, f, V in _moments(
+            model, post, inputs, method, samples, batch_size, generator, cross_class
+        ):
+            y = targets[rows].to(f.device)
+            parts.append((*_score(f, V / tau, y, likelihood, noise_variance, change), V / tau))
+    scores, residuals, predictions, variances = (torch.cat(t) for t in zip(*parts, strict=True))
+    return MemoryMap(scores, variances, residuals, predictions, method)
+
+
+def prediction_variance(
+    model: nn.Module,
+    posterior: Posterior | Any,
+    inputs: Tensor,
+    *,
+    samples: int = 64,
+    batch_size: int = 256,
+    generator: torch.Generator | None = None,
+    temperature: float | None = None,
+    method: str = "auto",
+    cross_class: bool = False,
+) -> Tensor:
+    r"""The prediction variance of the logits under the untempered posterior, ``[n, K]``
+    (:math:`v_i = \operatorname{diag} J_i\Sigma J_i^\top / \tau` or the sample variance over
+    posterior samples, divided by τ), or ``[n, K, K]`` covariances with ``cross_class``.
+    Arguments as :func:`memory_map`; needs no targets (test inputs too)."""
+    post, tau = _posterior(posterior, model, temperature)
+    method = _method(post, method)
+    _check_options(inputs, None, samples, batch_size, "categorical", 1.0, "probabilities")
+    with _evaluating(model):
+        moments = _moments(model, post, inputs, method, samples, batch_size, generator, cross_class)
+        return torch.cat([V for _, _, V in moments]) / tau
+
+
+# ------------------------------------------------------------------- arguments
+def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tuple[Posterior, float]:
+    """The posterior and τ: a Posterior as it is (τ = ``temperature`` or 1), an optimizer read
+    with ``Posterior.from_optimizer`` (τ = its param groups' unless given)."""
+    tau: float | None
+    if isinstance(source, Posterior):
+        post, tau = source, 1.0 if temperature is None else temperature
+    else:
+        from .optim import unwrap  # late: optim imports posterior
+
+        optimizer = unwrap(source)
+        if optimizer is None:
+            raise ValueError(
+                f"posterior: expected a liegroup_blr.Posterior or a Lie-group BLR optimizer, got "
+                f"{type(source).__name__} (a deterministic optimizer has no posterior)"
+            )
+        post, tau = Posterior.from_optimizer(optimizer, model), temperature
+        if tau is None:
+            taus = {float(g["temperature"]) for g in optimizer.param_groups}
+            if len(taus) > 1:
+                raise ValueError(
+                    f"temperature: the optimizer's param groups have temperatures {sorted(taus)}; "
+                    "pass the one to divide the covariance by"
+                )
+            tau = taus.pop()
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+        raise ValueError(
+            f"temperature: must be a number > 0, got {tau!r} (τ = 0 learns a point mass, which "
+            "has no memory map)"
+        )
+    return post, float(tau)
+
+
+def _jacobian_ready(entry: PosteriorEntry) -> str | None:
+    """Why the Jacobian form cannot take ``entry`` (None if it can)."""
+    if type(entry.group) not in _DIAGONAL_GROUPS:
+        return f"its group {type(entry.group).__name__} gives no diagonal covariance"
+    if not math.isfinite(float(entry.base.variance)):
+        return f"its base {type(entry.base).__name__} has an infinite variance"
+    return None
+
+
+def _method(post: Posterior, method: str) -> str:
+    """The method to use: ``"auto"`` resolved, ``"jacobian"`` checked against every entry."""
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
+    if not len(post):
+        raise ValueError("posterior: holds no entries (no parameter was trained)")
+    if method == "samples":
+        return method
+    reasons = {k: _jacobian_ready(e) for k, e in post.items()}
+    if method == "auto":
+        gaussian_like = all(type(e.group) is not MultiplicativeGroup for e in post.values())
+        return "jacobian" if gaussian_like and not any(reasons.values()) else "samples"
+    for key, reason in reasons.items():
+        if reason is not None:
+            raise ValueError(
+                f"method: 'jacobian' cannot take entry {key!r}: {reason}; use 'samples'"
+            )
+    return method
+
+
+def _check_options(
+    inputs: Tensor,
+    targets: Tensor | None,
+    samples: int,
+    batch_size: int,
+    likelihood: str,
+    noise_variance: float,
+    change: str,
+) -> None:
+    for name, value, least in (("samples", samples, 2), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
+    if change not in CHANGES:
+        raise ValueError(f"change: must be one of {CHANGES}, got {change!r}")
+    if likelihood not in LIKELIHOODS:
+        raise ValueError(f"likelihood: must be one of {LIKELIHOODS}, got {likelihood!r}")
+    if likelihood == "categorical" and noise_variance != 1.0:
+        raise ValueError("noise_variance: only the Gaussian likelihood has one")
+    if not noise_variance > 0:
+        raise ValueError(f"noise_variance: must be > 0, got {noise_variance!r}")
+    if len(inputs) == 0:
+        raise ValueError("inputs: no examples")
+    if targets is not None and len(targets) != len(inputs):
+        raise ValueError(f"targets: {len(targets)} targets for {len(inputs)} inputs")
+    if targets is not None and likelihood == "categorical":
+        if targets.ndim != 1 or targets.is_floating_point() or targets.is_complex():
+            raise ValueError(
+                f"targets: a categorical likelihood takes integer labels [n], got "
+                f"{targets.dtype} of shape {tuple(targets.shape)}"
+            )
+
+
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------- moments
+def _moments(
+    model: nn.Module,
+    post: Posterior,
+    inputs: Tensor,
+    method: str,
+    samples: int,
+    batch_size: int,
+    generator: torch.Generator | None,
+    cross_class: bool,
+) -> Iterator[tuple[slice, Tensor, Tensor]]:
+    """Per batch of ``batch_size`` inputs: its rows, the mean logits ``[B, K]`` and their
+    (co)variance under the posterior (tempered: not yet divided by τ)."""
+    device = next(iter(post.values())).element.device
+    if method == "jacobian":
+        at_mean = Posterior(post, point_estimate="mean", fused=post.fused, size=post.size)
+        with at_mean.at_point_estimate(model):  # ValueError if names or shapes differ
+            named = dict(model.named_parameters())
+            order = list(named)
+            names = {k: order[k] if isinstance(k, int) else k for k in post}
+            params = {names[k]: named[names[k]].detach().clone() for k in post}
+        variances = {names[k]: _coordinate_variance(e) for k, e in post.items()}
+        batch = _jacobian_batch(model, params, variances, cross_class)
+    else:
+        if generator is None:
+            seed = int(torch.randint(0, 2**63 - 1, ()).item())  # from torch's global RNG
+            generator = torch.Generator(device).manual_seed(seed)
+        batch = _samples_batch(model, post, samples, generator, cross_class)
+    for start in range(0, len(inputs), batch_size):
+        rows = slice(start, start + batch_size)
+        yield rows, *batch(inputs[rows].to(device))
+
+
+def _coordinate_variance(entry: PosteriorEntry) -> Tensor:
+    r"""Var θ per coordinate: Var ξ (additive), :math:`A^2` Var ξ (diagonal affine),
+    :math:`(g^{+2} + g^{-2})` Var ξ (signed multiplicative; :math:`g^2` Var ξ unsigned)."""
+    G, g = entry.group, entry.element
+    var = float(entry.base.variance)
+    if isinstance(G, DiagonalAffineGroup):
+        return g[0].square() * var
+    if isinstance(G, MultiplicativeGroup):
+        return (g[0].square() + g[1].square()) * var if G.signed else g.square() * var
+    return g.new_full(entry.shape, var)
+
+
+def _jacobian_batch(
+    model: nn.Module, params: dict[str, Tensor], variances: dict[str, Tensor], cross_class: bool
+) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    r"""Logits at the mean and :math:`v_{ik} = \sum_p J_{ikp}^2\Sigma_{pp}` (or
+    :math:`V_i = J_i\Sigma J_i^\top`) of a batch, by one pullback per output, vmapped over
+    the examples."""
+
+    def one(x: Tensor) -> tuple[Tensor, Tensor]:
+        out = vjp(lambda p: functional_call(model, p, (x[None],)).reshape(-1), params)
+        f, pullback = out[0], out[1]
+        basis = torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+        if not cross_class:  # one output at a time: one gradient per example in memory
+            v = [_weighted_square(pullback(basis[k])[0], variances) for k in range(len(f))]
+            return f, torch.stack(v)
+        (grads,) = vmap(pullback)(basis)  # name → [K, *shape]
+        V = [
+            torch.einsum("kp,p,lp->kl", g.flatten(1), variances[n].flatten(), g.flatten(1))
+            for n, g in grads.items()
+        ]
+        return f, torch.stack(V).sum(0)
+
+    return vmap(one)
+
+
+def _weighted_square(grads: dict[str, Tensor], variances: dict[str, Tensor]) -> Tensor:
+    """:math:`\\sum_p J_p^2 \\Sigma_{pp}` of one output's gradient ``grads``."""
+    return torch.stack([(g.square() * variances[n]).sum() for n, g in grads.items()]).sum()
+
+
+def _samples_batch(
+    model: nn.Module,
+    post: Posterior,
+    samples: int,
+    generator: torch.Generator,
+    cross_class: bool,
+) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
+    """Mean logits and their sample (co)variance over ``samples`` posterior samples; every
+    batch replays the same samples (the generator restarts from its state at the first)."""
+    start = generator.get_state()
+
+    @torch.no_grad()
+    def batch(x: Tensor) -> tuple[Tensor, Tensor]:
+        generator.set_state(start)
+        logits = []
+        for _ in range(samples):
+            with post.sampled(model, generator):
+                logits.append(model(x).reshape(len(x), -1))
+        f = torch.stack(logits)  # [S, B, K]
+        mean = f.mean(0)
+        centred = f - mean
+        if cross_class:
+            return mean, torch.einsum("sbk,sbl->bkl", centred, centred) / (samples - 1)
+        return mean, centred.square().sum(0) / (samples - 1)
+
+    return batch
+
+
+# ----------------------------------------------------------------------- score
+def _score(
+    f: Tensor, V: Tensor, y: Tensor, likelihood: str, noise_variance: float, change: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""(scores, residuals, predictions) of a batch from the mean logits ``f`` and the
+    untempered (co)variance ``V``: the L1 norm of the logits' change :math:`V e` (diagonal:
+    :math:`v \odot e`), or of the probabilities' :math:`\Lambda V e` (diagonal:
+    :math:`\lambda \odot v \odot e`, λ = p − p²)."""
+    if likelihood == "gaussian":
+        pred, e = f, (f - y.reshape(f.shape).to(f.dtype)) / noise_variance
+    else:
+        K = f.shape[-1]
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= K):
+            raise ValueError(f"targets: labels must lie in [0, {K}) for a model with {K} outputs")
+        pred = torch.softmax(f, dim=-1)
+        e = pred - nn.functional.one_hot(y.long(), K).to(pred.dtype)
+    full = V.ndim == 3
+    moved = (V @ e[..., None])[..., 0] if full else V * e
+    if likelihood == "categorical" and change == "probabilities":
+        if full:
+            Lam = torch.diag_embed(pred) - pred[:, :, None] * pred[:, None, :]
+            moved = (Lam @ moved[..., None])[..., 0]
+        else:
+            moved = (pred - pred.square()) * moved
+    return moved.abs().sum(-1), e, pred
