@@ -254,7 +254,7 @@ def build(cfg: dict[str, Any]) -> Learner:
 
 
 def _posterior(optimizer: torch.optim.Optimizer, model: nn.Module) -> lgb.Posterior:
-    return optimizer.posterior(model)  # type: ignore[operator]
+    return lgb.Posterior.from_optimizer(optimizer, model)
 
 
 # ----------------------------------------------------------------------------- training
@@ -304,7 +304,7 @@ def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, e
     for step in bar:
         idx = order[step * batch : (step + 1) * batch]
         closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]])
-        loss = float(learner.optimizer.step(closure))  # type: ignore[arg-type]
+        loss = float(learner.optimizer.step(closure))
         if not math.isfinite(loss) or not runfiles.all_finite(list(learner.model.parameters())):
             raise DivergedError(
                 f"training diverged in task {t + 1}, epoch {epoch + 1}, step {step + 1} (loss "

@@ -20,26 +20,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from experiments import figures
 
 ESTIMATES = {"point": "at g", "average": "model average"}
 
 
-def _square(matrix: Sequence[Sequence[float]]) -> np.ndarray:
+def _square(matrix: ArrayLike) -> np.ndarray:
     r = np.asarray(matrix, dtype=float)
     if r.ndim != 2 or r.shape[0] != r.shape[1] or r.shape[0] < 1:
         raise ValueError(f"matrix: an accuracy matrix is T × T, got shape {r.shape}")
     return r
 
 
-def average_accuracy(matrix: Sequence[Sequence[float]]) -> list[float]:
+def average_accuracy(matrix: ArrayLike) -> list[float]:
     """:math:`A_j`, the mean accuracy over the tasks learned so far, after each task j."""
     r = _square(matrix)
     return [float(r[: j + 1, j].mean()) for j in range(len(r))]
 
 
-def backward_transfer(matrix: Sequence[Sequence[float]]) -> float:
+def backward_transfer(matrix: ArrayLike) -> float:
     """BWT: the mean change of each earlier task's accuracy from just after learning it to
     the end of the stream (0 for a single task)."""
     r = _square(matrix)
@@ -49,7 +50,7 @@ def backward_transfer(matrix: Sequence[Sequence[float]]) -> float:
     return float(np.mean([r[i, t - 1] - r[i, i] for i in range(t - 1)]))
 
 
-def forgetting(matrix: Sequence[Sequence[float]]) -> float:
+def forgetting(matrix: ArrayLike) -> float:
     """The mean over earlier tasks of the largest drop from an accuracy held after learning
     it to the final one (0 for a single task; negative only when every task ends at its
     best and some gained)."""
@@ -235,8 +236,8 @@ def report(
         s = summary[label]
         lines.append(
             f"| {label} | {method['strategy']} | {method['optimizer']['name']} | "
-            f"{_hyperparameters(method)} | {_cell(s['train_seconds'], 1.0, 0)} | "
-            f"{_cell(s['eval_seconds'], 1.0, 0)} |"
+            f"{_hyperparameters(method)} | {_cell(s['train_seconds'], 1.0, 1)} | "
+            f"{_cell(s['eval_seconds'], 1.0, 1)} |"
         )
     lines += ["", "## Accuracy matrices (mean over seeds, %)", ""]
     for label, by_estimate in _estimates(summary).items():

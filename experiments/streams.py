@@ -39,8 +39,10 @@ class Task:
     classes: tuple[int, ...]
 
     def to(self, device: torch.device) -> Task:
-        move = [t.to(device) for t in (self.train_x, self.train_y, self.test_x, self.test_y)]
-        return Task(self.name, *move, self.classes)
+        train_x, train_y, test_x, test_y = (
+            t.to(device) for t in (self.train_x, self.train_y, self.test_x, self.test_y)
+        )
+        return Task(self.name, train_x, train_y, test_x, test_y, self.classes)
 
 
 def _inputs(data: Dataset, x: Tensor) -> Tensor:

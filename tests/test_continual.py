@@ -25,12 +25,6 @@ from experiments.streams import build_stream, column_mask, permutations, permute
 CONFIGS = Path(__file__).parents[1] / "experiments" / "configs"
 SMOKE = CONFIGS / "continual_smoke.toml"
 
-# the optimizer side of posterior-as-prior (issue 22) is merged separately
-HAS_NEXT_TASK = hasattr(lgb.AdditiveBLR, "next_task")
-needs_next_task = pytest.mark.skipif(
-    not HAS_NEXT_TASK, reason="BLROptimizer.next_task is not on this branch yet"
-)
-
 
 # ---------------------------------------------------------------------------- metrics
 # R[i][j]: accuracy on task i after learning task j
@@ -154,9 +148,7 @@ def test_online_ewc_penalty_and_its_consolidation() -> None:
             p.add_(torch.randn_like(p))
     penalty = ewc.penalty(model)
     params = dict(model.named_parameters())
-    expected = sum(
-        0.5 * 3.0 * (first[n] * (params[n] - anchor[n]) ** 2).sum() for n in first
-    )
+    expected = sum(0.5 * 3.0 * (first[n] * (params[n] - anchor[n]) ** 2).sum() for n in first)
     assert torch.allclose(penalty, expected)
     penalty.backward()
     for n, p in params.items():  # ∇ = λ F (θ − θ*)
@@ -191,7 +183,7 @@ def test_permutations_are_permutations_from_the_seed_and_the_first_is_the_identi
     for perm in perms:
         assert torch.equal(perm.sort().values, torch.arange(784))
     assert len({tuple(p.tolist()) for p in perms}) == 10
-    assert all(torch.equal(a, b) for a, b in zip(perms, permutations(784, 10, seed=3)))
+    assert all(torch.equal(a, b) for a, b in zip(perms, permutations(784, 10, seed=3), strict=True))
     assert not torch.equal(perms[1], permutations(784, 10, seed=4)[1])
 
 
@@ -241,13 +233,8 @@ def test_column_mask_restricts_the_softmax_to_the_head() -> None:
 
 # ---------------------------------------------------------------------------- the driver
 def smoke(**changes: Any) -> dict[str, Any]:
-    """The shipped smoke config (2 tasks, 1 epoch), with BLR methods only where the
-    optimizers have next_task, and sections updated by ``changes``."""
+    """The shipped smoke config (2 tasks, 1 epoch) with sections updated by ``changes``."""
     raw = load(SMOKE)
-    if not HAS_NEXT_TASK:
-        raw["methods"] = {
-            k: v for k, v in raw["methods"].items() if v["strategy"] != "posterior"
-        }
     for section, table in changes.items():
         merge = section in continual.SECTIONS
         raw[section] = {**raw.get(section, {}), **table} if merge else table
@@ -269,16 +256,11 @@ def read_rows(folder: Path) -> list[dict[str, Any]]:
 def test_smoke_config_runs_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
     raw = load(SMOKE)
-    if not HAS_NEXT_TASK:  # run the shipped file itself once the optimizers have next_task
-        path = tmp_path / "smoke.json"
-        path.write_text(json.dumps(smoke()))
-    else:
-        path = SMOKE
-    assert continual.main([str(path), "--out", str(out)]) == 0
+    assert continual.main([str(SMOKE), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "final avg. accuracy" in printed
     results = json.loads((out / "results.json").read_text())
-    methods = [m for m, v in raw["methods"].items() if HAS_NEXT_TASK or v["strategy"] != "posterior"]
+    methods = list(raw["methods"])
     assert list(results) == methods
     seeds = raw["seeds"]
     for method in methods:
@@ -313,9 +295,7 @@ class Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize(
-    "strategy", ["ewc", "joint", pytest.param("posterior", marks=needs_next_task)]
-)
+@pytest.mark.parametrize("strategy", ["ewc", "joint", "posterior"])
 @pytest.mark.parametrize("where", ["mid-task", "before the boundary"])
 def test_resume_after_an_interruption_reaches_the_uninterrupted_result(
     strategy: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -376,7 +356,6 @@ def test_ewc_penalty_changes_the_trajectory(tmp_path: Path) -> None:
     assert ewc["point"]["matrix"][1][1] < fine["point"]["matrix"][1][1]
 
 
-@needs_next_task
 def test_the_posterior_of_a_rule_is_saved_and_becomes_the_prior(tmp_path: Path) -> None:
     raw = smoke()
     label = next(k for k, v in raw["methods"].items() if v["strategy"] == "posterior")
@@ -399,12 +378,18 @@ def test_the_posterior_of_a_rule_is_saved_and_becomes_the_prior(tmp_path: Path) 
         ({"stream": {"tasks": 0}}, r"\[stream\].tasks must be >= 1"),
         ({"train": {"warmup": 1}}, "warmup"),
         ({"methods": {"x": {"strategy": "replay"}}}, "unknown 'replay'"),
-        ({"methods": {"x": {"strategy": "ewc", "optimizer": {"name": "adam", "lr": 0.1}}}}, "ewc_lambda"),
+        (
+            {"methods": {"x": {"strategy": "ewc", "optimizer": {"name": "adam", "lr": 0.1}}}},
+            "ewc_lambda",
+        ),
         (
             {"methods": {"x": {"strategy": "posterior", "optimizer": {"name": "adam", "lr": 0.1}}}},
             "takes one of",
         ),
-        ({"methods": {"x": {"strategy": "joint", "optimizer": {"name": "affine"}}}}, "takes one of"),
+        (
+            {"methods": {"x": {"strategy": "joint", "optimizer": {"name": "affine"}}}},
+            "takes one of",
+        ),
         ({"methods": {"../x": {"strategy": "finetune"}}}, "plain folder name"),
         ({"methods": {}}, "at least one"),
         ({"epochs": 3}, "unknown top-level"),
