@@ -18,7 +18,15 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["all_reduce_accumulators", "broadcast_elements", "replicas", "shared_seed"]
+__all__ = ["SHARDED", "all_reduce_accumulators", "broadcast_elements", "replicas", "shared_seed"]
+
+SHARDED: tuple[type, ...] = ()
+"""Tensor types of sharded parameters (DTensor: FSDP2's ``fully_shard``), which the rules do
+not support yet."""
+if dist.is_available():
+    from torch.distributed.tensor import DTensor
+
+    SHARDED = (DTensor,)
 
 
 def replicas(process_group: Any) -> Any:
