@@ -247,7 +247,7 @@ def compare(
         return _compare(configs, out, resume, main)
 
 
-def _check_folder(out: Path, written: dict[str, Any], resume: bool) -> None:
+def check_folder(out: Path, written: dict[str, Any], resume: bool) -> None:
     """Refuse a folder with files (without ``resume``) or with another comparison's config."""
     held = runfiles.contents(out)
     if held and not resume:
@@ -273,7 +273,7 @@ def _compare(
         written = {
             label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()
         }
-        _check_folder(out, written, resume)
+        check_folder(out, written, resume)
         runfiles.remove_leftovers(out)
         runfiles.write_json(out / "config.json", written)
     per_seed: dict[str, dict[str, dict[str, Any]]] = {label: {} for label in configs}
@@ -318,7 +318,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
     print(f"report in {out}")
 
 
-def _parse_seeds(text: str) -> list[int]:
+def parse_seeds(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",")]
     except ValueError:
@@ -328,7 +328,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, _parse_seeds)
+    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, parse_seeds)
 
 
 if __name__ == "__main__":
