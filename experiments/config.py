@@ -136,7 +136,7 @@ class ConfigError(ValueError):
     """An invalid configuration."""
 
 
-def _fill(where: str, given: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+def fill(where: str, given: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
     """``given`` completed with the defaults of ``schema``; unknown or missing keys raise."""
     unknown = sorted(set(given) - set(schema))
     if unknown:
@@ -184,7 +184,7 @@ def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(raw) - keys)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
-    cfg = _fill("the top level", {k: raw[k] for k in TOP_LEVEL if k in raw}, TOP_LEVEL)
+    cfg = fill("the top level", {k: raw[k] for k in TOP_LEVEL if k in raw}, TOP_LEVEL)
     _choice("device", cfg["device"], DEVICES)
     _choice("parallel", cfg["parallel"], PARALLEL)
     for section, schema in SECTIONS.items():
@@ -203,7 +203,7 @@ def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
         elif section == "optimizer":
             _choice("optimizer", name, OPTIMIZERS)
             schema = {**schema, **OPTIMIZERS[name]}
-        cfg[section] = _fill(f"[{section}]", given, schema)
+        cfg[section] = fill(f"[{section}]", given, schema)
     _check_ranges(cfg)
     return cfg
 
@@ -246,7 +246,7 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"[data].shape must be [channels, height, width], got {shape}")
     if cfg["data"]["da_factor"] <= 0:
         raise ConfigError(f"[data].da_factor must be > 0, got {cfg['data']['da_factor']}")
-    _check_base(cfg["optimizer"])
+    check_base(cfg["optimizer"])
     _check_ivon(cfg["optimizer"])
     group = cfg["optimizer"].get("group")
     if group is not None and group not in GROUPS and ":" not in group:
@@ -274,7 +274,7 @@ def _check_ivon(opt: dict[str, Any]) -> None:
     _choice("[optimizer].hess_approx of ivon", opt["hess_approx"], ("price", "gradsq"))
 
 
-def _check_base(opt: dict[str, Any]) -> None:
+def check_base(opt: dict[str, Any]) -> None:
     """The base distribution q0 must accept ``base_scale`` and ``base_options``."""
     if "base" not in opt:
         return

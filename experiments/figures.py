@@ -272,3 +272,27 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Pa
 def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
     """(height, width) in pixels of a figure of ``figsize`` inches saved by this module."""
     return math.floor(figsize[1] * DPI), math.floor(figsize[0] * DPI)
+
+
+def average_accuracy(curves: Mapping[str, Mapping[str, np.ndarray]], path: Path) -> None:
+    """Average accuracy (%) against the number of tasks learned, one colour per method.
+
+    ``curves`` maps a method to arrays over tasks: ``mean`` (a line), ``low`` and ``high``
+    (a band, e.g. the lowest and highest seed) and optionally ``dashed`` (a second line in
+    the same colour, e.g. the point estimate beside the model average).
+    """
+    fig, ax = plt.subplots(figsize=CURVES_SIZE)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, c) in enumerate(curves.items()):
+        colour = colours[i % len(colours)]
+        tasks = np.arange(1, len(c["mean"]) + 1)
+        ax.plot(tasks, c["mean"], marker=".", color=colour, label=label)
+        ax.fill_between(tasks, c["low"], c["high"], color=colour, alpha=0.2, lw=0)
+        if "dashed" in c:
+            ax.plot(tasks, c["dashed"], ls="--", lw=1, color=colour)
+    ax.set(xlabel="tasks learned", ylabel="average accuracy over tasks learned (%)")
+    ax.set_xticks(np.arange(1, max(len(c["mean"]) for c in curves.values()) + 1))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize="small")
+    fig.tight_layout()
+    _save(fig, path)

@@ -111,7 +111,7 @@ def resolve(
     given = raw.get("memory", {})
     if not isinstance(given, dict):
         raise config_module.ConfigError(f"[memory] must be a table, got {given!r}")
-    memory = config_module._fill("[memory]", given, MEMORY)
+    memory = config_module.fill("[memory]", given, MEMORY)
     for key in ("samples", "batch_size", "top", "random", "flagged"):
         least = 2 if key == "samples" else 1
         if memory[key] < least:
@@ -578,7 +578,7 @@ def memory_maps(
         "memory": memory,
     }
     with runfiles.locked(out):
-        compare._check_folder(out, written, resume)
+        compare.check_folder(out, written, resume)
         _check_data(configs)
         runfiles.remove_leftovers(out)
         runfiles.write_json(out / "config.json", written)
@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     return cli.run(
-        "python -m experiments.memory_map", __doc__, memory_maps, _show, args, compare._parse_seeds
+        "python -m experiments.memory_map", __doc__, memory_maps, _show, args, compare.parse_seeds
     )
 
 

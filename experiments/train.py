@@ -128,7 +128,8 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
     return Run(cfg, device, data, model, optimizer, scheduler, data_rng, processes)
 
 
-def _rng_state(run: Run) -> dict[str, Any]:
+def rng_state(data_rng: torch.Generator) -> dict[str, Any]:
+    """Every RNG state a run draws from (torch, numpy, python, CUDA) and ``data_rng``'s."""
     _, keys, pos, has_gauss, gauss = cast(tuple, np.random.get_state())  # noqa: NPY002
     state = {
         "torch": torch.get_rng_state(),
@@ -139,20 +140,21 @@ def _rng_state(run: Run) -> dict[str, Any]:
             "gauss": gauss,
         },
         "python": random.getstate(),
-        "data": run.data_rng.get_state(),
+        "data": data_rng.get_state(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(run: Run, state: dict[str, Any]) -> None:
+def set_rng_state(data_rng: torch.Generator, state: dict[str, Any]) -> None:
+    """Restore the states of :func:`rng_state` (``data_rng``'s into ``data_rng``)."""
     torch.set_rng_state(state["torch"])
     npy = state["numpy"]
     keys = npy["keys"].numpy().astype(np.uint32)
     np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
     random.setstate(state["python"])
-    run.data_rng.set_state(state["data"])
+    data_rng.set_state(state["data"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -165,7 +167,7 @@ def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, An
         "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
-        "rng": _rng_state(run),
+        "rng": rng_state(run.data_rng),
         "history": history,
     }
     runfiles.save_torch(path, state)
@@ -179,7 +181,7 @@ def load_checkpoint(run: Run, path: Path) -> tuple[int, list[dict[str, Any]]]:
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(run, state["rng"])
+        set_rng_state(run.data_rng, state["rng"])
         epoch = int(state["epoch"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -287,11 +289,12 @@ def checkpoint_path(out: Path, processes: Processes) -> Path:
     return out / (CHECKPOINT if processes.main else f"checkpoint.rank{processes.rank}.pt")
 
 
-def _check_folder(out: Path, resume: bool, ckpt: Path) -> None:
+def check_folder(out: Path, resume: bool, ckpt: Path, progress: str = METRICS) -> None:
     """Refuse a folder that holds anything but this run's own resumable state.
 
     Without ``resume`` the folder must be new or empty. With it, the folder must hold a
-    run's ``config.json`` and either its checkpoint or nothing yet trained.
+    run's ``config.json`` and either its checkpoint or nothing yet trained (no rows in its
+    ``progress`` file).
     """
     held = runfiles.contents(out)
     if not held:
@@ -301,7 +304,7 @@ def _check_folder(out: Path, resume: bool, ckpt: Path) -> None:
             f"{out} already holds files {held}; pass --resume to continue the run there, "
             "or choose another --out"
         )
-    untrained = set(held) <= {CONFIG, METRICS} and not runfiles.read_jsonl(out / METRICS)
+    untrained = set(held) <= {CONFIG, progress} and not runfiles.read_jsonl(out / progress)
     if CONFIG not in held or not (ckpt.exists() or untrained):
         raise FileExistsError(
             f"{out} holds {held} but no {ckpt.name} to resume from; nothing was changed, "
@@ -333,7 +336,7 @@ def _prepare(
     if processes.main:
         lock.enter_context(runfiles.locked(out))
     ckpt = checkpoint_path(out, processes)
-    _check_folder(out, resume, ckpt)
+    check_folder(out, resume, ckpt)
     run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
     _check_data(run)
     if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:

@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributions import Normal
+from torch.nn.parallel import DistributedDataParallel
 
 import liegroup_blr as lgb
 
@@ -89,3 +91,87 @@ def test_two_processes_equal_one_process_with_their_samples_and_noise(tmp_path, 
         for key in ("element", "momentum"):
             torch.testing.assert_close(opt.state[p][key], state[key], rtol=1e-12, atol=1e-14)
     assert not torch.equal(streams[0], streams[1])  # independent noise on the two processes
+
+
+# ---------------------------------------------------------------------------- DDP
+DDP_RULES = {
+    "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=0.1, base=Normal(0.0, 0.1), **kw),
+    "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
+        ps, lr=0.5, data_size=64, temperature=0.2, **kw
+    ),
+    "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=0.1, scale_lr=0.1, data_size=64, **kw),
+}
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> None:
+    for _ in range(STEPS):
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+def _ddp_worker(rank: int, world: int, folder: str) -> None:
+    """What a DDP script does: a seed per rank, the model wrapped, the optimizer built on
+    every rank without process_group, each rank half of every batch."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world
+    )
+    try:
+        out = {}
+        for name, make in DDP_RULES.items():
+            torch.manual_seed(rank)
+            model, x, y = make_problem()
+            if rank == 1:  # DDP broadcasts rank 0's parameters when it wraps the model
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
+            ddp = DistributedDataParallel(model)
+            opt = make(ddp.parameters())
+            _train(ddp, opt, *batch_for(x, y, rank, "data"))
+            out[name] = [p.detach().clone() for p in model.parameters()]
+        try:
+            DDP_RULES["affine"](model.parameters(), seed=rank)
+        except ValueError as error:
+            out["refused"] = str(error)
+        torch.save(out, f"{folder}/ddp{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_seeded_apart_train_as_one_process_on_the_global_batch(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"ddp{r}.pt", weights_only=True) for r in range(2)]
+    for name, make in DDP_RULES.items():
+        for a, b in zip(ranks[0][name], ranks[1][name], strict=True):
+            assert torch.equal(a, b), name  # the same noise on both ranks: no drift
+        torch.manual_seed(0)  # rank 0's: its seed and elements are the ones shared
+        model, x, y = make_problem()
+        start = [p.detach().clone() for p in model.parameters()]
+        _train(model, make(model.parameters()), x, y)
+        for p, q, p0 in zip(model.parameters(), ranks[0][name], start, strict=True):
+            assert not torch.equal(p.detach(), p0), name  # trained
+            torch.testing.assert_close(q, p.detach(), rtol=1e-10, atol=1e-12, msg=name)
+    for rank in ranks:  # per-rank seeds would draw different noise: refused, naming the fix
+        assert "different seeds [0, 1]" in rank["refused"]
+        assert "process_group=" in rank["refused"]
+
+
+def test_sharded_parameters_are_refused_in_one_line(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    init = f"file://{tmp_path}/init"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+        for make in DDP_RULES.values():
+            with pytest.raises(NotImplementedError, match=r"DTensor, FSDP2.*process_group="):
+                make([weight])
+    finally:
+        dist.destroy_process_group()

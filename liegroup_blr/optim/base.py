@@ -36,7 +36,7 @@ from ..noise import NoiseSource
 from ..posterior import Posterior
 from .amp import inverse_scale, record_finite, scaler_step
 from .checks import check_choice, check_count
-from .distributed import all_reduce_accumulators, broadcast_elements, shared_seed
+from .distributed import all_reduce_accumulators, broadcast_elements, replicas, shared_seed
 from .holding import SampleHolding
 from .options import EngineState
 from .scratch import Scratch
@@ -109,9 +109,10 @@ class BLROptimizer(SampleHolding):
         self.grad_scaler = grad_scaler
         self.max_consecutive_skips = max_consecutive_skips
         rank = 0 if process_group is None else dist.get_rank(process_group)
+        replicated = replicas(process_group)
         self.noise_source = NoiseSource(
             noise,
-            shared_seed(seed, process_group),
+            shared_seed(seed, process_group, replicated),
             rank=rank,
             antithetic=antithetic,
             table_size=table_size,
@@ -119,8 +120,9 @@ class BLROptimizer(SampleHolding):
         self._engine = EngineState()
         self._scratch = Scratch()
         super().__init__(params, defaults)
-        if process_group is not None:
-            broadcast_elements([s["element"] for s in self.state.values()], process_group)
+        if process_group is not None or replicated is not None:
+            elements = [s["element"] for s in self.state.values()]
+            broadcast_elements(elements, process_group if replicated is None else replicated)
             self.restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
         if prior is not None:

@@ -1,8 +1,12 @@
 """Training over processes: one seed, rank 0's elements, summed algebra-gradient accumulators.
 
-Every process draws its own noise; before the update the accumulators (not ``p.grad``: the
-algebra gradients are nonlinear in each process's noise), sample counts and non-finite flags
-are summed, so the group state stays identical everywhere.
+With ``process_group``, every process draws its own noise; before the update the accumulators
+(not ``p.grad``: the algebra gradients are nonlinear in each process's noise), sample counts
+and non-finite flags are summed, so the group state stays identical everywhere.
+
+Without it, once ``torch.distributed`` is initialised (DistributedDataParallel, which averages
+``p.grad``), every rank draws the same noise and starts from rank 0's elements: the ranks
+evaluate one sample on their parts of the batch, as one process on the global batch.
 """
 
 from __future__ import annotations
@@ -14,17 +18,48 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["all_reduce_accumulators", "broadcast_elements", "shared_seed"]
+__all__ = ["SHARDED", "all_reduce_accumulators", "broadcast_elements", "replicas", "shared_seed"]
+
+SHARDED: tuple[type, ...] = ()
+"""Tensor types of sharded parameters (DTensor: FSDP2's ``fully_shard``), which the rules do
+not support yet."""
+if dist.is_available():
+    from torch.distributed.tensor import DTensor
+
+    SHARDED = (DTensor,)
 
 
-def shared_seed(seed: int | None, process_group: Any) -> int:
-    """The given seed, or one drawn from torch's global RNG; rank 0's across a group."""
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    if process_group is None:
-        return int(seed)
-    box = [int(seed)]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
+def replicas(process_group: Any) -> Any:
+    """The group whose ranks must draw the same noise: the default group when
+    ``torch.distributed`` is initialised and no ``process_group`` is given (data parallelism
+    on averaged gradients, e.g. DDP), else ``None``."""
+    if process_group is not None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.group.WORLD
+
+
+def shared_seed(seed: int | None, process_group: Any, replicated: Any = None) -> int:
+    """The given seed, or one drawn from torch's global RNG; rank 0's across
+    ``process_group`` or ``replicated``. Across ``replicated`` ranks an explicit seed must be
+    the same on every rank.
+
+    Raises:
+        ValueError: replicated ranks given different seeds.
+    """
+    group = process_group if process_group is not None else replicated
+    if group is None:
+        return int(seed if seed is not None else torch.randint(0, 2**62, ()).item())
+    if replicated is not None and seed is not None:
+        seeds: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seeds, int(seed), group=group)
+        if len(set(seeds)) > 1:
+            raise ValueError(
+                f"seed: the ranks gave different seeds {seeds}; with torch.distributed "
+                "initialised (DDP) every rank must draw the same noise: pass one seed on every "
+                "rank (or none), or process_group= for per-rank noise with summed gradients"
+            )
+    box = [int(seed if seed is not None else torch.randint(0, 2**62, ()).item())]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
 
 

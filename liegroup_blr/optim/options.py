@@ -23,7 +23,10 @@ class EngineOptions(TypedDict, total=False):
 
     Attributes:
         seed: seed of the optimizer's own noise (drawn from torch's global RNG when ``None``,
-            so ``torch.manual_seed`` makes runs reproducible).
+            so ``torch.manual_seed`` makes runs reproducible). Once ``torch.distributed`` is
+            initialised and no ``process_group`` is given (DDP), construction is a collective:
+            rank 0's seed and elements are shared, every rank draws the same noise, and an
+            explicit seed that differs between ranks is refused.
         noise: ``"fresh"`` draws (default) or ``"table"``
             (:class:`~liegroup_blr.noise.NoiseTable`: windows of pre-drawn noise).
         antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from ..groups import LieGroup
 from ..noise import NoiseSource
 from .checks import check_hyperparameters
+from .distributed import SHARDED
 from .options import EngineState
 from .scratch import Scratch, state_dtype
 from .tensors import GroupTensors
@@ -159,6 +160,12 @@ class GroupStateOptimizer(Optimizer):
             if not p.is_floating_point():
                 self.param_groups.pop()
                 raise ValueError(f"params: only floating-point parameters, got {p.dtype}")
+            if isinstance(p, SHARDED):
+                self.param_groups.pop()
+                raise NotImplementedError(
+                    "params: sharded (DTensor, FSDP2 fully_shard) parameters are not supported "
+                    "yet; wrap the model in DistributedDataParallel, or pass process_group="
+                )
         self._engine.tensors.clear()
         trained = [p for p in group["params"] if p.requires_grad]
         if trained:

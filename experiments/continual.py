@@ -1,0 +1,558 @@
+r"""Continual learning on a stream of tasks: fine-tuning, online EWC, joint training, and the
+Lie-group rules with each task's posterior as the next task's prior.
+
+    python -m experiments.continual CONFIG.toml [--out DIR] [--resume] [--seeds 0,1,2]
+
+CONFIG has the tables ``[stream]`` (``name = "permuted"`` or ``"split"``, ``tasks``,
+``heads``, ``dataset``), ``[model]``, ``[train]``, ``[eval]`` and one ``[methods.LABEL]``
+per method, with its ``strategy`` and an ``[methods.LABEL.optimizer]`` table
+(experiments/config.py's optimizer keys):
+
+- ``finetune``: SGD or Adam on each task in turn, nothing else;
+- ``ewc``: the same plus the online EWC penalty (experiments/ewc.py, ``ewc_lambda`` λ and
+  ``ewc_gamma`` γ);
+- ``joint``: on task t, train on the union of tasks 1 … t (the upper reference: it keeps
+  every task's data);
+- ``posterior``: a Lie-group rule; the first task with its δ-prior, then at every task
+  boundary ``optimizer.next_task(data_size=N_t)``, which makes the posterior learned so far
+  the prior of the next task.
+
+Every method and seed trains into ``DIR/LABEL/seedS`` (``config.json``, ``tasks.jsonl`` with
+one row per finished task, ``checkpoint.pt`` after every epoch, ``results.json``, and the
+final ``posterior.pt`` of a rule); ``DIR`` receives ``config.json``, ``results.json``,
+``report.md`` and ``average_accuracy.png``. ``--resume`` continues every run from its last
+checkpoint and ends as an uninterrupted run would (docs/runs.md; docs/lifelong.md has the
+method and the results).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.nn.functional import cross_entropy
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm import tqdm
+
+import liegroup_blr as lgb
+from experiments import cli, compare, continual_report, runfiles
+from experiments import config as config_module
+from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
+from experiments.data import DATASETS, Dataset, load_dataset
+from experiments.ewc import OnlineEWC, diagonal_fisher
+from experiments.models import ACTIVATIONS, MLP
+from experiments.optimizers import build_optimizer, lr_factor
+from experiments.streams import HEADS, STREAMS, Task, build_stream, column_mask
+from experiments.train import (
+    CHECKPOINT,
+    CONFIG,
+    RESULTS,
+    DivergedError,
+    check_folder,
+    resolve_device,
+    rng_state,
+    set_rng_state,
+)
+from liegroup_blr import predictive
+
+TASKS = "tasks.jsonl"
+POSTERIOR = "posterior.pt"
+
+SECTIONS: dict[str, dict[str, Any]] = {
+    "stream": {
+        "name": NAME,
+        "tasks": COUNT,
+        "heads": "single",
+        "dataset": "mnist5k",
+        "root": "data",
+    },
+    "model": {"widths": [100, 100], "activation": "relu"},
+    "train": {"epochs": COUNT, "batch_size": 64, "warmup": 0, "test_batch_size": 1000},
+    "eval": {"samples": 32, "bins": 20},
+}
+
+# keys of a [methods.LABEL] table besides its optimizer, by strategy
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "finetune": {},
+    "ewc": {"ewc_lambda": NUMBER, "ewc_gamma": 1.0},
+    "joint": {},
+    "posterior": {},
+}
+BASELINE_OPTIMIZERS = ("sgd", "adam")  # finetune, ewc, joint
+BLR_OPTIMIZERS = ("additive", "multiplicative", "affine", "lie")  # posterior
+
+_LEAST = [
+    ("stream", "tasks", 1),
+    ("model", "widths", 1),
+    ("train", "epochs", 1),
+    ("train", "batch_size", 1),
+    ("train", "test_batch_size", 1),
+    ("eval", "samples", 1),
+    ("eval", "bins", 1),
+]
+
+
+# ----------------------------------------------------------------------------- configs
+def _method(label: str, given: Any) -> dict[str, Any]:
+    """A resolved ``[methods.LABEL]`` table: its strategy's keys and its optimizer."""
+    where = f"[methods.{label}]"
+    if not isinstance(given, dict):
+        raise ConfigError(f"{where} must be a table, got {given!r}")
+    strategy = given.get("strategy")
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"{where}.strategy: unknown {strategy!r}; valid: {sorted(STRATEGIES)}")
+    schema = {"strategy": NAME, "optimizer": {}, **STRATEGIES[strategy]}
+    method = fill(where, given, schema)
+    opt = method["optimizer"]
+    valid = BLR_OPTIMIZERS if strategy == "posterior" else BASELINE_OPTIMIZERS
+    if opt.get("name") not in valid:
+        raise ConfigError(
+            f"{where}.optimizer.name: strategy {strategy!r} takes one of {list(valid)}, got "
+            f"{opt.get('name')!r}"
+        )
+    schema = {"name": NAME, **config_module.OPTIMIZERS[opt["name"]]}
+    method["optimizer"] = fill(f"{where}.optimizer", opt, schema)
+    config_module.check_base(method["optimizer"])
+    return method
+
+
+def resolve(raw: dict[str, Any], label: str, seed: int) -> dict[str, Any]:
+    """The resolved config of one method and seed: every default filled in, every range
+    checked."""
+    cfg: dict[str, Any] = {"seed": seed, "device": raw.get("device", "auto")}
+    if not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ConfigError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
+    if cfg["device"] not in config_module.DEVICES:
+        raise ConfigError(f"unknown device {cfg['device']!r}; valid: {config_module.DEVICES}")
+    for section, schema in SECTIONS.items():
+        given = raw.get(section, {})
+        if not isinstance(given, dict):
+            raise ConfigError(f"[{section}] must be a table, got {given!r}")
+        cfg[section] = fill(f"[{section}]", given, schema)
+    cfg["method"] = _method(label, raw["methods"][label])
+    _check_ranges(cfg)
+    return cfg
+
+
+def _check_ranges(cfg: dict[str, Any]) -> None:
+    for section, key, low in _LEAST:
+        value = cfg[section][key]
+        if any(v < low for v in (value if isinstance(value, list) else [value])):
+            raise ConfigError(f"[{section}].{key} must be >= {low}, got {value}")
+    stream = cfg["stream"]
+    if stream["name"] not in STREAMS:
+        raise ConfigError(f"[stream].name: unknown {stream['name']!r}; valid: {list(STREAMS)}")
+    if stream["heads"] not in HEADS:
+        raise ConfigError(f"[stream].heads: unknown {stream['heads']!r}; valid: {list(HEADS)}")
+    if stream["name"] == "permuted" and stream["heads"] != "single":
+        raise ConfigError("[stream].heads: permuted tasks share all classes; use 'single'")
+    if stream["dataset"] not in DATASETS:
+        raise ConfigError(
+            f"[stream].dataset: unknown {stream['dataset']!r}; valid: {sorted(DATASETS)}"
+        )
+    if cfg["model"]["activation"] not in ACTIVATIONS:
+        raise ConfigError(
+            f"[model].activation: unknown {cfg['model']['activation']!r}; valid: "
+            f"{sorted(ACTIVATIONS)}"
+        )
+    if not 0 <= cfg["train"]["warmup"] < cfg["train"]["epochs"]:
+        raise ConfigError("[train].warmup must satisfy 0 <= warmup < epochs")
+
+
+def run_configs(
+    raw: dict[str, Any], seeds: Sequence[int] | None = None
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """label → seed → resolved run config, for every ``[methods.LABEL]`` and seed."""
+    keys = {"seed", "seeds", "device", "methods", *SECTIONS}
+    unknown = sorted(set(raw) - keys)
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
+    methods = raw.get("methods")
+    if not isinstance(methods, dict) or not methods:
+        raise ConfigError("a continual config needs at least one [methods.LABEL] table")
+    for label in methods:
+        if not config_module.LABEL.fullmatch(label):
+            raise ConfigError(
+                f"method label {label!r} is not a plain folder name: use letters, digits, "
+                "'_', '-', '+', '.', not starting with '.'"
+            )
+    seeds = compare.seed_list(raw, seeds)
+    return {label: {s: resolve(raw, label, s) for s in seeds} for label in methods}
+
+
+# ----------------------------------------------------------------------------- the learner
+@dataclass
+class Learner:
+    """A run: its config, tasks (on the device), the logit masks of their heads, the model,
+    optimizer, schedule, data order and, for EWC, the penalty."""
+
+    cfg: dict[str, Any]
+    tasks: list[Task]
+    masks: Tensor
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    data_rng: torch.Generator
+    ewc: OnlineEWC | None
+
+    @property
+    def strategy(self) -> str:
+        return str(self.cfg["method"]["strategy"])
+
+
+@functools.lru_cache(maxsize=1)
+def _dataset(name: str, root: str) -> Dataset:
+    """The dataset, loaded once for all the runs of a process (its tensors are only read)."""
+    return load_dataset(name, root)
+
+
+def _task_lr(epoch: int, epochs: int, warmup: int) -> float:
+    """The learning-rate factor of global epoch ``epoch``: every task restarts the schedule
+    (warm-up, then a cosine over its ``epochs``)."""
+    return lr_factor(epoch % epochs, epochs, warmup)
+
+
+def build(cfg: dict[str, Any]) -> Learner:
+    """Seed every RNG with the run's seed, then build the stream, model and optimizer."""
+    seed = cfg["seed"]
+    random.seed(seed)
+    np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
+    torch.manual_seed(seed)
+    device = resolve_device(cfg["device"])
+    s, m, t = cfg["stream"], cfg["model"], cfg["train"]
+    data = _dataset(s["dataset"], s["root"])
+    tasks = [
+        task.to(device) for task in build_stream(s["name"], data, s["tasks"], s["heads"], seed)
+    ]
+    for task in tasks:
+        if len(task.train_y) < t["batch_size"]:
+            raise ConfigError(
+                f"[train].batch_size {t['batch_size']} exceeds the {len(task.train_y)} training "
+                f"examples of task {task.name!r}: no step would run"
+            )
+    masks = torch.stack([column_mask(task.classes, data.num_classes) for task in tasks])
+    model = MLP(data.input_shape, data.num_classes, m["widths"], m["activation"]).to(device)
+    method = cfg["method"]
+    optimizer = build_optimizer(method["optimizer"], model.parameters(), len(tasks[0].train_y))
+    scheduler = LambdaLR(optimizer, partial(_task_lr, epochs=t["epochs"], warmup=t["warmup"]))
+    ewc = None
+    if method["strategy"] == "ewc":
+        ewc = OnlineEWC(method["ewc_lambda"], method["ewc_gamma"])
+    generator = torch.Generator().manual_seed(seed)
+    return Learner(cfg, tasks, masks.to(device), model, optimizer, scheduler, generator, ewc)
+
+
+def _posterior(optimizer: torch.optim.Optimizer, model: nn.Module) -> lgb.Posterior:
+    return lgb.Posterior.from_optimizer(optimizer, model)
+
+
+# ----------------------------------------------------------------------------- training
+def _training_set(learner: Learner, t: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Inputs, labels and task index of every training example of task t (of tasks 1 … t
+    for joint training)."""
+    first = 0 if learner.strategy == "joint" else t
+    chosen = learner.tasks[first : t + 1]
+    x = torch.cat([task.train_x for task in chosen])
+    y = torch.cat([task.train_y for task in chosen])
+    ids = torch.cat([torch.full_like(task.train_y, first + i) for i, task in enumerate(chosen)])
+    return x, y, ids
+
+
+def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor) -> Any:
+    """Mean cross-entropy over each example's head (+ the EWC penalty), backward."""
+
+    def closure() -> Tensor:
+        learner.optimizer.zero_grad()
+        loss = cross_entropy(learner.model(x) + mask, y)
+        if learner.ewc is not None:
+            loss = loss + learner.ewc.penalty(learner.model)
+        loss.backward()
+        return loss.detach()
+
+    return closure
+
+
+def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, epoch: int) -> float:
+    """One pass over ``data`` in a fresh order (the last partial batch dropped); returns the
+    mean training objective. Raises :class:`~experiments.train.DivergedError` as soon as a
+    loss or, after an update, a parameter is not finite."""
+    x, y, ids = data
+    cfg = learner.cfg
+    batch = cfg["train"]["batch_size"]
+    order = torch.randperm(len(y), generator=learner.data_rng).to(y.device)
+    steps = len(y) // batch
+    bar = tqdm(
+        range(steps),
+        desc=f"task {t + 1}/{len(learner.tasks)} epoch {epoch + 1}/{cfg['train']['epochs']}",
+        unit="batch",
+        disable=None,  # shown on a terminal only
+        leave=False,
+    )
+    losses = []
+    learner.model.train()
+    for step in bar:
+        idx = order[step * batch : (step + 1) * batch]
+        closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]])
+        loss = float(learner.optimizer.step(closure))
+        if not math.isfinite(loss) or not runfiles.all_finite(list(learner.model.parameters())):
+            raise DivergedError(
+                f"training diverged in task {t + 1}, epoch {epoch + 1}, step {step + 1} (loss "
+                f"{loss}); nothing of this epoch was saved. Lower the method's lr and train "
+                "into a new folder"
+            )
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.4f}")
+    return float(np.mean(losses))
+
+
+def _next_task(learner: Learner, t: int) -> None:
+    """The task boundary after task t: EWC consolidates, a rule makes its posterior the prior
+    of task t + 1 (``next_task`` with its data size)."""
+    if learner.ewc is not None:
+        task = learner.tasks[t]
+        fisher = diagonal_fisher(learner.model, task.train_x, learner.masks[t])
+        learner.ewc.consolidate(learner.model, fisher)
+    if learner.strategy == "posterior":
+        size = len(learner.tasks[t + 1].train_y)
+        learner.optimizer.next_task(data_size=size)  # type: ignore[attr-defined]
+
+
+# ----------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def _log_probs(learner: Learner) -> list[Tensor]:
+    """Per task, the log-probabilities of its test images over its head."""
+    size = learner.cfg["train"]["test_batch_size"]
+    learner.model.eval()
+    out = []
+    for task, mask in zip(learner.tasks, learner.masks, strict=True):
+        logits = torch.cat([learner.model(x) for x in task.test_x.split(size)])
+        out.append(torch.log_softmax(logits + mask, dim=-1))
+    learner.model.train()
+    return out
+
+
+def _metrics(learner: Learner, log_probs: list[Tensor], t: int) -> dict[str, Any]:
+    """Accuracy, NLL and ECE of every task, and the metrics pooled over tasks 1 … t + 1."""
+    bins = learner.cfg["eval"]["bins"]
+    per_task = [
+        predictive.metrics(lp, task.test_y, bins)
+        for lp, task in zip(log_probs, learner.tasks, strict=True)
+    ]
+    seen = predictive.metrics(
+        torch.cat(log_probs[: t + 1]), torch.cat([k.test_y for k in learner.tasks[: t + 1]]), bins
+    )
+    return {key: [m[key] for m in per_task] for key in ("accuracy", "nll", "ece")} | {"seen": seen}
+
+
+def evaluate(learner: Learner, t: int) -> dict[str, Any]:
+    """The test metrics of every task after task t at the point estimate and, for a rule, of
+    the model average of ``[eval] samples`` posterior samples (drawn from the posterior
+    object with a generator seeded by the run's seed: the same draws at every evaluation)."""
+    row: dict[str, Any] = {"task": t + 1, "point": _metrics(learner, _log_probs(learner), t)}
+    if learner.strategy != "posterior":
+        return row
+    post = _posterior(learner.optimizer, learner.model)
+    device = learner.masks.device
+    generator = torch.Generator(device=device).manual_seed(learner.cfg["seed"])
+    samples = learner.cfg["eval"]["samples"]
+    total: list[Tensor] = []
+    for _ in range(samples):
+        with post.sampled(learner.model, generator):
+            log_p = _log_probs(learner)
+        total = (
+            log_p
+            if not total
+            else [torch.logaddexp(a, b) for a, b in zip(total, log_p, strict=True)]
+        )
+    average = [lp - math.log(samples) for lp in total]
+    row["average"] = _metrics(learner, average, t)
+    return row
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@dataclass
+class Position:
+    """Where a run stands: the task in progress, the epochs done in it, the training seconds
+    spent on it, and the rows of the finished tasks."""
+
+    task: int = 0
+    epoch: int = 0
+    seconds: float = 0.0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _save(learner: Learner, path: Path, at: Position) -> None:
+    """Atomically: the position in the stream, model, optimizer, schedule, every RNG state
+    and the EWC state."""
+    state = {
+        "task": at.task,
+        "epoch": at.epoch,
+        "seconds": at.seconds,
+        "rows": at.rows,
+        "model": learner.model.state_dict(),
+        "optimizer": learner.optimizer.state_dict(),
+        "scheduler": learner.scheduler.state_dict(),
+        "rng": rng_state(learner.data_rng),
+        "ewc": None if learner.ewc is None else learner.ewc.state_dict(),
+    }
+    runfiles.save_torch(path, state)
+
+
+def _restore(learner: Learner, path: Path) -> Position:
+    state = runfiles.load_torch(path)
+    try:
+        learner.model.load_state_dict(state["model"])
+        learner.optimizer.load_state_dict(state["optimizer"])
+        learner.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(learner.data_rng, state["rng"])
+        if learner.ewc is not None:
+            learner.ewc.load_state_dict(state["ewc"])
+        return Position(
+            int(state["task"]), int(state["epoch"]), float(state["seconds"]), list(state["rows"])
+        )
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise runfiles.CorruptFileError(
+            f"checkpoint {path} is corrupt or not of this run ({reason})"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- one run
+def run(cfg: dict[str, Any], out: Path, resume: bool = False) -> dict[str, Any]:
+    """Learn the stream of one method and seed into ``out``; returns its summary
+    (:func:`experiments.continual_report.run_summary` plus timings).
+
+    Everything is checked before anything is written. A checkpoint follows every epoch and
+    every task boundary, the task rows live inside it and ``tasks.jsonl`` is rewritten from
+    them, so a kill at any instant loses at most the epoch in progress.
+    """
+    with runfiles.locked(out):
+        ckpt = out / CHECKPOINT
+        check_folder(out, resume, ckpt, progress=TASKS)
+        if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:
+            raise ConfigError(
+                f"the config differs from the one {out} was trained with ({out / CONFIG}); "
+                "resume with that config or train into another folder"
+            )
+        learner = build(cfg)
+        at = _restore(learner, ckpt) if resume and ckpt.exists() else Position()
+        runfiles.remove_leftovers(out)
+        runfiles.write_json(out / CONFIG, cfg)
+        runfiles.write_jsonl(out / TASKS, at.rows)
+        return _learn(learner, out, at)
+
+
+def _learn(learner: Learner, out: Path, at: Position) -> dict[str, Any]:
+    """The stream from ``at`` on, then the final files."""
+    ckpt, epochs, count = out / CHECKPOINT, learner.cfg["train"]["epochs"], len(learner.tasks)
+    while at.task < count:
+        data = _training_set(learner, at.task)
+        while at.epoch < epochs:
+            tic = time.perf_counter()
+            loss = train_epoch(learner, data, at.task, at.epoch)
+            learner.scheduler.step()
+            seconds = time.perf_counter() - tic
+            at.epoch, at.seconds = at.epoch + 1, at.seconds + seconds
+            _save(learner, ckpt, at)
+            tqdm.write(
+                f"task {at.task + 1}/{count} epoch {at.epoch}/{epochs}: objective {loss:.4f}, "
+                f"{seconds:.1f}s"
+            )
+        tic = time.perf_counter()
+        row = evaluate(learner, at.task)
+        row["train_seconds"], row["eval_seconds"] = at.seconds, time.perf_counter() - tic
+        _report_task(row)
+        if at.task + 1 < count:
+            _next_task(learner, at.task)
+        at = Position(at.task + 1, 0, 0.0, [*at.rows, row])
+        _save(learner, ckpt, at)
+        runfiles.write_jsonl(out / TASKS, at.rows)
+    if learner.strategy == "posterior":
+        _posterior(learner.optimizer, learner.model).save(out / POSTERIOR)
+    results = continual_report.run_summary(at.rows)
+    results["train_sizes"] = [len(task.train_y) for task in learner.tasks]
+    results["test_sizes"] = [len(task.test_y) for task in learner.tasks]
+    if runfiles.nonfinite(results):
+        raise DivergedError(f"non-finite metrics {runfiles.nonfinite(results)} in {out}")
+    runfiles.write_json(out / RESULTS, results)
+    return results
+
+
+def _report_task(row: dict[str, Any]) -> None:
+    t = row["task"]
+    for estimate in ("point", "average"):
+        if estimate in row:
+            m = row[estimate]
+            accs = " ".join(f"{100 * a:.1f}" for a in m["accuracy"][:t])
+            tqdm.write(
+                f"after task {t} ({continual_report.ESTIMATES[estimate]}): accuracy per task "
+                f"[{accs}], average {100 * np.mean(m['accuracy'][:t]):.2f}%, NLL "
+                f"{m['seen']['nll']:.4f}, ECE {m['seen']['ece']:.4f}"
+            )
+
+
+# ----------------------------------------------------------------------------- the driver
+def continual(
+    raw: dict[str, Any], out: str | Path, resume: bool = False, seeds: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """Learn the stream with every method for every seed into ``out/LABEL/seedS`` and write
+    the report. Returns label → ``{"seeds", "summary", "per_seed"}``."""
+    out = Path(out)
+    configs = run_configs(raw, seeds)
+    written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
+    with runfiles.locked(out):
+        compare.check_folder(out, written, resume)
+        runfiles.remove_leftovers(out)
+        runfiles.write_json(out / CONFIG, written)
+        per_seed: dict[str, dict[str, Any]] = {label: {} for label in configs}
+        for label, by_seed in configs.items():
+            for seed, cfg in by_seed.items():
+                print(f"== {label} ({cfg['method']['strategy']}), seed {seed}", flush=True)
+                tic = time.perf_counter()
+                per_seed[label][str(seed)] = run(cfg, out / label / f"seed{seed}", resume)
+                print(
+                    f"== {label}, seed {seed} done in {time.perf_counter() - tic:.1f}s", flush=True
+                )
+        summary = {
+            label: continual_report.over_seeds(list(r.values())) for label, r in per_seed.items()
+        }
+        results = {
+            label: {
+                "seeds": list(configs[label]),
+                "summary": summary[label],
+                "per_seed": per_seed[label],
+            }
+            for label in configs
+        }
+        first = next(iter(configs.values()))
+        samples = next(iter(first.values()))["eval"]["samples"]
+        continual_report.average_accuracy_figure(summary, samples, out / "average_accuracy.png")
+        runfiles.write_json(out / RESULTS, results)
+        runfiles.write_text(out / "report.md", continual_report.report(configs, results) + "\n")
+    return results
+
+
+def _show(results: dict[str, Any], out: Path) -> None:
+    print((out / "report.md").read_text())
+    print(f"report in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(
+        "python -m experiments.continual", __doc__, continual, _show, argv, compare.parse_seeds
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+r"""Continual-learning metrics over accuracy matrices, their summary over seeds, the report
+and the figure of :mod:`experiments.continual`.
+
+The accuracy matrix :math:`R` of a run has :math:`R_{ij}` = test accuracy on task i after
+learning task j (tasks 0 … T − 1). From it:
+
+- average accuracy after task j, :math:`A_j = \frac1{j+1}\sum_{i\le j} R_{ij}`;
+- backward transfer (Lopez-Paz & Ranzato, 2017),
+  :math:`\mathrm{BWT} = \frac1{T-1}\sum_{i<T-1} (R_{i,T-1} - R_{ii})` (negative: forgetting);
+- forgetting (Chaudhry et al., 2018), the mean over the tasks before the last of the
+  largest drop from an earlier accuracy to the final one,
+  :math:`\frac1{T-1}\sum_{i<T-1} \max_{i\le l<T-1} (R_{il} - R_{i,T-1})`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from experiments import figures
+
+ESTIMATES = {"point": "at g", "average": "model average"}
+
+
+def _square(matrix: ArrayLike) -> np.ndarray:
+    r = np.asarray(matrix, dtype=float)
+    if r.ndim != 2 or r.shape[0] != r.shape[1] or r.shape[0] < 1:
+        raise ValueError(f"matrix: an accuracy matrix is T × T, got shape {r.shape}")
+    return r
+
+
+def average_accuracy(matrix: ArrayLike) -> list[float]:
+    """:math:`A_j`, the mean accuracy over the tasks learned so far, after each task j."""
+    r = _square(matrix)
+    return [float(r[: j + 1, j].mean()) for j in range(len(r))]
+
+
+def backward_transfer(matrix: ArrayLike) -> float:
+    """BWT: the mean change of each earlier task's accuracy from just after learning it to
+    the end of the stream (0 for a single task)."""
+    r = _square(matrix)
+    t = len(r)
+    if t == 1:
+        return 0.0
+    return float(np.mean([r[i, t - 1] - r[i, i] for i in range(t - 1)]))
+
+
+def forgetting(matrix: ArrayLike) -> float:
+    """The mean over earlier tasks of the largest drop from an accuracy held after learning
+    it to the final one (0 for a single task; negative only when every task ends at its
+    best and some gained)."""
+    r = _square(matrix)
+    t = len(r)
+    if t == 1:
+        return 0.0
+    return float(np.mean([r[i, i : t - 1].max() - r[i, t - 1] for i in range(t - 1)]))
+
+
+def matrix(rows: Sequence[Mapping[str, Any]], estimate: str, key: str = "accuracy") -> np.ndarray:
+    """:math:`R_{ij}` from a run's rows (row j holds every task's metrics after task j)."""
+    return np.asarray([row[estimate][key] for row in rows], dtype=float).T
+
+
+def run_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per estimate: the accuracy matrix, average accuracy after each task, final average
+    accuracy, BWT, forgetting, and the NLL and ECE over the test sets of every task after
+    the last one (pooled)."""
+    out: dict[str, Any] = {}
+    for estimate in ESTIMATES:
+        if estimate not in rows[0]:
+            continue
+        r = matrix(rows, estimate)
+        curve = average_accuracy(r)
+        final = rows[-1][estimate]["seen"]
+        out[estimate] = {
+            "matrix": r.tolist(),
+            "average_accuracy": curve,
+            "final_accuracy": curve[-1],
+            "bwt": backward_transfer(r),
+            "forgetting": forgetting(r),
+            "nll": final["nll"],
+            "ece": final["ece"],
+        }
+    out["train_seconds"] = sum(row["train_seconds"] for row in rows)
+    out["eval_seconds"] = sum(row["eval_seconds"] for row in rows)
+    return out
+
+
+def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
+    numbers = [float(v) for v in values]
+    sd = statistics.stdev(numbers) if len(numbers) > 1 else None
+    return {"mean": statistics.fmean(numbers), "sd": sd, "values": numbers}
+
+
+def over_seeds(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean, sample standard deviation and values over seeds of every number of
+    :func:`run_summary` (lists and matrices entry by entry)."""
+    out: dict[str, Any] = {
+        key: _mean_sd([s[key] for s in summaries]) for key in ("train_seconds", "eval_seconds")
+    }
+    for estimate in (e for e in ESTIMATES if e in summaries[0]):
+        parts = [s[estimate] for s in summaries]
+        out[estimate] = {
+            key: _mean_sd([p[key] for p in parts])
+            for key in ("final_accuracy", "bwt", "forgetting", "nll", "ece")
+        }
+        curves = np.asarray([p["average_accuracy"] for p in parts])
+        out[estimate]["average_accuracy"] = [_mean_sd(c) for c in curves.T]
+        mats = np.asarray([p["matrix"] for p in parts])
+        out[estimate]["matrix"] = mats.mean(axis=0).tolist()
+    return out
+
+
+def _cell(leaf: Mapping[str, Any], factor: float = 100.0, decimals: int = 1) -> str:
+    mean = f"{factor * leaf['mean']:.{decimals}f}"
+    return mean if leaf["sd"] is None else f"{mean} ± {factor * leaf['sd']:.{decimals}f}"
+
+
+def _estimates(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """method → estimate → its summary, for the estimates each method has."""
+    return {m: {e: s[e] for e in ESTIMATES if e in s} for m, s in summary.items()}
+
+
+def tables(summary: Mapping[str, Mapping[str, Any]], samples: int) -> list[str]:
+    """Markdown: the final metrics, then average accuracy after each task."""
+    lines = [
+        "| method | estimate | final avg. accuracy (%) | BWT (%) | forgetting (%) | NLL | ECE |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for method, by_estimate in _estimates(summary).items():
+        for estimate, s in by_estimate.items():
+            name = ESTIMATES[estimate] + (f" of {samples}" if estimate == "average" else "")
+            lines.append(
+                f"| {method} | {name} | {_cell(s['final_accuracy'])} | {_cell(s['bwt'])} | "
+                f"{_cell(s['forgetting'])} | {_cell(s['nll'], 1.0, 3)} | "
+                f"{_cell(s['ece'], 1.0, 3)} |"
+            )
+    tasks = len(next(iter(summary.values()))["point"]["average_accuracy"])
+    lines += [
+        "",
+        "Average accuracy (%) over the tasks learned so far, after each task:",
+        "",
+        "| method | estimate | " + " | ".join(str(t + 1) for t in range(tasks)) + " |",
+        "|---|---|" + "---:|" * tasks,
+    ]
+    for method, by_estimate in _estimates(summary).items():
+        for estimate, s in by_estimate.items():
+            cells = " | ".join(_cell(c) for c in s["average_accuracy"])
+            lines.append(f"| {method} | {ESTIMATES[estimate]} | {cells} |")
+    return lines
+
+
+def matrix_table(mean_matrix: Sequence[Sequence[float]]) -> list[str]:
+    """Markdown of a mean accuracy matrix: a row per task, a column per task learned."""
+    r = np.asarray(mean_matrix)
+    t = len(r)
+    lines = [
+        "| task \\ after | " + " | ".join(str(j + 1) for j in range(t)) + " |",
+        "|---|" + "---:|" * t,
+    ]
+    for i in range(t):
+        cells = " | ".join(f"{100 * r[i, j]:.1f}" for j in range(t))
+        lines.append(f"| {i + 1} | {cells} |")
+    return lines
+
+
+def average_accuracy_figure(
+    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path
+) -> None:
+    """Average accuracy against tasks learned: per method (one colour) the mean over seeds
+    as a line and the band between the lowest and the highest seed; a rule with a
+    posterior shows its model average of ``samples``, and its point estimate dashed."""
+    curves: dict[str, dict[str, np.ndarray]] = {}
+    for method, by_estimate in _estimates(summary).items():
+        estimate = "average" if "average" in by_estimate else "point"
+        values = 100 * np.asarray([c["values"] for c in by_estimate[estimate]["average_accuracy"]])
+        label = f"{method} (average of {samples})" if estimate == "average" else method
+        curves[label] = {"mean": values.mean(1), "low": values.min(1), "high": values.max(1)}
+        if estimate == "average":
+            point = np.asarray([c["values"] for c in by_estimate["point"]["average_accuracy"]])
+            curves[label]["dashed"] = 100 * point.mean(1)
+    figures.average_accuracy(curves, path)
+
+
+def _hyperparameters(method: Mapping[str, Any]) -> str:
+    opt = method["optimizer"]
+    keys = [f"{k}={v}" for k, v in opt.items() if k != "name" and v != {}]
+    keys += [f"{k}={v}" for k, v in method.items() if k not in ("strategy", "optimizer")]
+    return ", ".join(keys)
+
+
+def report(
+    configs: Mapping[str, Mapping[int, Mapping[str, Any]]], results: Mapping[str, Mapping[str, Any]]
+) -> str:
+    """The Markdown report of a continual comparison: the setting, the final metrics and the
+    average accuracy after each task (mean ± sd over seeds), the mean accuracy matrices, the
+    methods and their timings, and the figure."""
+    first = next(iter(next(iter(configs.values())).values()))
+    stream, model, train, ev = first["stream"], first["model"], first["train"], first["eval"]
+    some = next(iter(results.values()))["per_seed"]
+    sizes = next(iter(some.values()))
+    seeds = next(iter(results.values()))["seeds"]
+    summary = {label: r["summary"] for label, r in results.items()}
+    heads = f", {stream['heads']}-head" if stream["name"] == "split" else ""
+    lines = [
+        f"# Continual learning: {stream['name']} {stream['dataset']}{heads}",
+        "",
+        f"{stream['tasks']} tasks of {_sizes(sizes['train_sizes'])} training and "
+        f"{_sizes(sizes['test_sizes'])} test images; MLP {model['widths']} "
+        f"({model['activation']}), {train['epochs']} epochs per task (joint training: "
+        f"{train['epochs']} epochs over the union of the tasks learned), batch "
+        f"{train['batch_size']}; {len(seeds)} seed(s) {seeds}. Cells are mean ± sample "
+        "standard deviation over the seeds. Accuracies on each task's test images; NLL and "
+        f"ECE ({ev['bins']} bins) pooled over the test images of every task after the last. "
+        f"A rule's model average uses {ev['samples']} posterior samples.",
+        "",
+        *tables(summary, ev["samples"]),
+        "",
+        "BWT: mean over tasks before the last of (final accuracy − accuracy just after "
+        "learning it); forgetting: mean of (best earlier accuracy − final accuracy).",
+        "",
+        "![average accuracy against tasks learned](average_accuracy.png)",
+        "",
+        "## Methods",
+        "",
+        "| method | strategy | optimizer | hyperparameters | train (s) | eval (s) |",
+        "|---|---|---|---|---:|---:|",
+    ]
+    for label, by_seed in configs.items():
+        method = next(iter(by_seed.values()))["method"]
+        s = summary[label]
+        lines.append(
+            f"| {label} | {method['strategy']} | {method['optimizer']['name']} | "
+            f"{_hyperparameters(method)} | {_cell(s['train_seconds'], 1.0, 1)} | "
+            f"{_cell(s['eval_seconds'], 1.0, 1)} |"
+        )
+    lines += ["", "## Accuracy matrices (mean over seeds, %)", ""]
+    for label, by_estimate in _estimates(summary).items():
+        for estimate, s in by_estimate.items():
+            lines += [f"### {label}, {ESTIMATES[estimate]}", "", *matrix_table(s["matrix"]), ""]
+    return "\n".join(lines)
+
+
+def _sizes(sizes: Sequence[int]) -> str:
+    low, high = min(sizes), max(sizes)
+    return f"{low:,}" if low == high else f"{low:,}–{high:,}"
