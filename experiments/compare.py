@@ -7,7 +7,8 @@ shared ones). The seeds are the top-level ``seeds = [0, 1, 2]`` of CONFIG, or ``
 (which overrides it), else the single ``seed``. Each run and seed trains into
 ``DIR/LABEL/seedS``; ``DIR/report.md`` holds the mean ± standard deviation over seeds and the
 per-seed values of every metric, ``DIR/results.json`` all numbers, ``DIR/config.json`` every
-resolved run config, ``DIR/learning_curves.png`` the test curves and
+resolved run config, ``DIR/learning_curves.png`` the test curves (per run the mean over the
+seeds and a band of ± one standard deviation) and
 ``DIR/weight_magnitudes.png`` the first-layer weight magnitudes of each run (first seed).
 """
 
@@ -173,7 +174,8 @@ def report(
         "# Comparison of learning rules",
         "",
         f"Dataset `{data['name']}` ({summary['train_size']['mean']:g} train / "
-        f"{summary['test_size']['mean']:g} test, N = {summary['data_size']['mean']:g}), model "
+        f"{summary['test_size']['mean']:g} {summary['eval_set']}, "
+        f"N = {summary['data_size']['mean']:g}), metrics on the {summary['eval_set']} set, model "
         f"`{model['name']}` ({model_desc}), {first['schedule']['epochs']} passes; "
         f"{len(seeds)} seed(s) {seeds} ({shared} within a seed). Cells are mean ± sample "
         "standard deviation over the seeds; the per-seed values follow below.",
@@ -203,8 +205,8 @@ def report(
         "## Runs",
         "",
         "| run | optimizer | hyperparameters | passes | gradient evaluations per step "
-        "(× SGD) | train (s) | eval (s) |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "(× SGD) | train (s) | ms per step (fastest pass) | eval (s) |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for label, res in results.items():
         opt = first_cfgs[label]["optimizer"]
@@ -213,7 +215,7 @@ def report(
         lines.append(
             f"| {label} | {opt['name']} | {hyper} | {s['epochs']['mean']:g} | "
             f"{opt.get('mc_samples', 1)} | {_cell(s['train_seconds'], 1.0, 1)} | "
-            f"{_cell(s['eval_seconds'], 1.0, 1)} |"
+            f"{_cell(step_ms(res), 1.0, 1)} | {_cell(s['eval_seconds'], 1.0, 1)} |"
         )
     lines += ["", "## Per-seed values", ""]
     for title, columns in TABLES.items():
@@ -226,6 +228,17 @@ def report(
         lines += [f"### {label} (seed {seeds[0]})", ""]
         lines += [f"![{label} {p[:-4]}]({folder}/{p})" for p in pngs] + [""]
     return "\n".join(lines)
+
+
+def ms_per_step(run: dict[str, Any]) -> float:
+    """Milliseconds per training step of a run's fastest pass (forward, backward, the update
+    and batching): the pass least slowed by other work on a shared machine."""
+    return 1000.0 * run["fastest_pass_seconds"] * run["epochs"] / run["steps"]
+
+
+def step_ms(res: dict[str, Any]) -> dict[str, Any]:
+    """:func:`ms_per_step` of a label's runs, summarised over its seeds."""
+    return summarise([ms_per_step(r) for r in res["per_seed"].values()])
 
 
 def _first_layer_at_g(folder: Path) -> torch.Tensor:
@@ -298,11 +311,11 @@ def _compare(
         for label, runs in per_seed.items()
     }
     histories = {
-        f"{label} (seed {seed})": runfiles.read_jsonl(out / label / f"seed{seed}" / METRICS)
+        label: [runfiles.read_jsonl(out / label / f"seed{seed}" / METRICS) for seed in seed_names]
         for label in configs
-        for seed in seed_names
     }
-    figures.learning_curves(histories, out / "learning_curves.png")
+    eval_set = next(iter(per_seed[next(iter(configs))].values()))["eval_set"]
+    figures.learning_curves(histories, out / "learning_curves.png", eval_set)
     weights = {label: _first_layer_at_g(out / label / f"seed{seed_names[0]}") for label in configs}
     first_weight = next(iter(weights.values()))
     figures.weight_magnitudes(

@@ -35,6 +35,14 @@ class Required:
         self.kind = kind
 
 
+class Unset:
+    """Marks a key whose default is None (its meaning is documented with the key) and whose
+    value, when given, must have type ``kind``."""
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+
+
 NAME, NUMBER, COUNT = Required(str), Required(float), Required(int)
 
 _BLR = {
@@ -56,6 +64,18 @@ _BLR = {
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"lr": NUMBER, "momentum": 0.9, "prior_precision": 0.0},
     "adam": {"lr": NUMBER, "betas": [0.9, 0.999], "prior_precision": 0.0},
+    # IVON (Shen et al., 2024; the ivon-opt package): ess None = N, clip_radius None = none
+    "ivon": {
+        "lr": NUMBER,
+        "ess": Unset(float),
+        "hess_init": 1.0,
+        "beta1": 0.9,
+        "beta2": 0.99999,
+        "prior_precision": 0.0,
+        "mc_samples": 1,
+        "hess_approx": "price",
+        "clip_radius": Unset(float),
+    },
     "additive": {**_BLR, "base": "gaussian", "base_scale": 1e-3},
     "multiplicative": {
         **_BLR,
@@ -84,8 +104,9 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     },
 }
 
-# parallel: how torchrun's processes share the work (experiments/distributed.py)
-TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "parallel": "data"}
+# parallel: how torchrun's processes share the work (experiments/distributed.py);
+# threads: torch's intra-op threads (0: torch's default)
+TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "parallel": "data", "threads": 0}
 
 SECTIONS: dict[str, dict[str, Any]] = {
     # augment: None = the dataset's reference setting (crop + flip for CIFAR, TinyImageNet)
@@ -96,6 +117,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "da_factor": 1.0,
         "batch_size": 128,
         "test_batch_size": 500,
+        "validation": 0,  # > 0: hold out that many training examples, evaluate on them
+        "validation_seed": 0,
     },
     "model": {"name": NAME},
     "optimizer": {"name": NAME},
@@ -122,7 +145,7 @@ def fill(where: str, given: Mapping[str, Any], schema: Mapping[str, Any]) -> dic
     for key, default in schema.items():
         if key not in given and isinstance(default, Required):
             raise ConfigError(f"missing required key {key!r} in {where}")
-        value = copy.deepcopy(given.get(key, default))
+        value = copy.deepcopy(given.get(key, None if isinstance(default, Unset) else default))
         value = list(value) if isinstance(value, tuple) else value
         _check_type(f"{where}.{key}", value, default)
         out[key] = value
@@ -133,7 +156,7 @@ def _check_type(where: str, value: Any, default: Any) -> None:
     """A value must have the type of its default (an int where a float is expected is fine)."""
     if default is None or value is None:
         return
-    kind = default.kind if isinstance(default, Required) else type(default)
+    kind = default.kind if isinstance(default, (Required, Unset)) else type(default)
     expected: tuple[type, ...] = (kind,)
     if kind is float:
         expected = (float, int)
@@ -195,6 +218,8 @@ _LEAST = [
     ("data", "classes", 2),
     ("data", "shape", 1),
     ("data", "noise", 0),
+    ("data", "validation", 0),
+    ("data", "validation_seed", 0),
     ("model", "widths", 1),
     ("model", "width", 1),
     ("schedule", "epochs", 1),
@@ -208,6 +233,8 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
     """Counts and sizes the drivers use must be in range, the base must take its options."""
     if not 0 <= cfg["seed"] < 2**32:
         raise ConfigError(f"seed must be in [0, 2**32 - 1], got {cfg['seed']}")
+    if cfg["threads"] < 0:
+        raise ConfigError(f"threads must be >= 0 (0: torch's default), got {cfg['threads']}")
     for section, key, low in _LEAST:
         value = cfg[section].get(key)
         items = value if isinstance(value, list) else [value]
@@ -220,6 +247,7 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
     if cfg["data"]["da_factor"] <= 0:
         raise ConfigError(f"[data].da_factor must be > 0, got {cfg['data']['da_factor']}")
     check_base(cfg["optimizer"])
+    _check_ivon(cfg["optimizer"])
     group = cfg["optimizer"].get("group")
     if group is not None and group not in GROUPS and ":" not in group:
         raise ConfigError(
@@ -227,6 +255,23 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         )
     if not 0 <= cfg["schedule"]["warmup"] < cfg["schedule"]["epochs"]:
         raise ConfigError("[schedule].warmup must satisfy 0 <= warmup < epochs")
+
+
+def _check_ivon(opt: dict[str, Any]) -> None:
+    """IVON's hyperparameters, checked here so that the error names the config key."""
+    if opt["name"] != "ivon":
+        return
+    for key in ("lr", "ess", "hess_init", "clip_radius"):
+        if opt[key] is not None and not opt[key] > 0:
+            raise ConfigError(f"[optimizer].{key} of ivon must be > 0, got {opt[key]}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= opt[key] < 1:
+            raise ConfigError(f"[optimizer].{key} of ivon must be in [0, 1), got {opt[key]}")
+    if opt["prior_precision"] < 0:
+        raise ConfigError(f"[optimizer].prior_precision must be >= 0, got {opt['prior_precision']}")
+    if opt["mc_samples"] < 1:
+        raise ConfigError(f"[optimizer].mc_samples must be >= 1, got {opt['mc_samples']}")
+    _choice("[optimizer].hess_approx of ivon", opt["hess_approx"], ("price", "gradsq"))
 
 
 def check_base(opt: dict[str, Any]) -> None:

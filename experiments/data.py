@@ -13,6 +13,7 @@ Still, fill the data folder only from the datasets' official archives.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import inspect
 import pickle
@@ -32,7 +33,9 @@ class Dataset:
 
     Raw pixels ``x`` map to network inputs ((x / scale) − mean) / std per channel.
     ``augment`` says whether the reference trains this dataset with random crops
-    (4-pixel zero padding) and horizontal flips.
+    (4-pixel zero padding) and horizontal flips. ``eval_set`` names what the ``test_*``
+    tensors hold: the dataset's ``"test"`` set, or a ``"validation"`` part of its training
+    set (:func:`validation_split`).
     """
 
     train_x: Tensor
@@ -44,6 +47,7 @@ class Dataset:
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
     augment: bool = False
+    eval_set: str = "test"
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -316,6 +320,33 @@ def load_dataset(name: str, root: str | Path = "data", **options: object) -> Dat
             f"unknown option(s) {unknown} for dataset {name!r}; valid: {sorted(valid)}"
         )
     return DATASETS[name](Path(root), **options)
+
+
+def validation_split(data: Dataset, size: int, seed: int = 0) -> Dataset:
+    """``data`` with ``size`` training examples held out for validation; the test set dropped.
+
+    The held-out rows are the first ``size`` of ``torch.randperm`` over the training rows
+    with a generator seeded ``seed`` (independent of a run's seed, so every run of a tuning
+    sees the same split); they become the evaluation set (``eval_set = "validation"``), the
+    others, in their order, the training set. The test set is left out, so nothing tuned
+    on the result can see it.
+    """
+    n = len(data.train_y)
+    if not 0 < size < n:
+        raise ValueError(
+            f"[data].validation must be between 1 and {n - 1} (the training set has {n} "
+            f"examples), got {size}"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    held, rest = order[:size].sort().values, order[size:].sort().values
+    return dataclasses.replace(
+        data,
+        train_x=data.train_x[rest],
+        train_y=data.train_y[rest],
+        test_x=data.train_x[held],
+        test_y=data.train_y[held],
+        eval_set="validation",
+    )
 
 
 def random_crop_flip(x: Tensor, generator: torch.Generator, padding: int = 4) -> Tensor:

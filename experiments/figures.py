@@ -146,16 +146,41 @@ def entropy_histograms(panels: Mapping[str, Mapping[str, Tensor]], path: Path) -
     _save(fig, path)
 
 
-def learning_curves(histories: Mapping[str, Sequence[Mapping[str, float]]], path: Path) -> None:
-    """Test accuracy and NLL (at the point estimate) per epoch, one line per run."""
+def mean_and_sd(curves: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Point-by-point mean and sample standard deviation (n − 1) of curves of equal length;
+    the standard deviation of a single curve is 0."""
+    lengths = {len(c) for c in curves}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(f"expected curves of equal, non-zero length, got lengths {lengths}")
+    array = np.asarray(curves, dtype=float)
+    sd = array.std(axis=0, ddof=1) if len(array) > 1 else np.zeros(array.shape[1])
+    return array.mean(axis=0), sd
+
+
+def learning_curves(
+    histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]],
+    path: Path,
+    eval_set: str = "test",
+) -> None:
+    """Accuracy and NLL on the ``eval_set`` (at the point estimate) per epoch: for each run
+    label (label → one list of epoch rows per seed) the mean over seeds as a line and mean ±
+    sample standard deviation as a band, one colour per label."""
     fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=CURVES_SIZE)
-    for label, rows in histories.items():
-        epochs = [r["epoch"] for r in rows]
-        ax_acc.plot(epochs, [100 * r["test_accuracy"] for r in rows], marker=".", label=label)
-        ax_nll.plot(epochs, [r["test_nll"] for r in rows], marker=".", label=label)
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%) at g")
-    ax_nll.set(xlabel="epoch", ylabel="test NLL at g")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # tab10
+    for i, (label, seeds) in enumerate(histories.items()):
+        epochs = [r["epoch"] for r in seeds[0]]
+        if any([r["epoch"] for r in rows] != epochs for rows in seeds):
+            raise ValueError(f"the seeds of {label!r} have different epochs")
+        name = f"{label} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+        for ax, key, factor in ((ax_acc, "test_accuracy", 100.0), (ax_nll, "test_nll", 1.0)):
+            mean, sd = mean_and_sd([[factor * r[key] for r in rows] for rows in seeds])
+            colour = colours[i % len(colours)]
+            ax.plot(epochs, mean, color=colour, lw=1.5, label=name)
+            ax.fill_between(epochs, mean - sd, mean + sd, color=colour, alpha=0.25, lw=0)
+    ax_acc.set(xlabel="epoch", ylabel=f"{eval_set} accuracy (%) at g")
+    ax_nll.set(xlabel="epoch", ylabel=f"{eval_set} NLL at g")
     ax_acc.legend()
+    fig.suptitle("mean over the seeds; band: mean ± sample standard deviation")
     fig.tight_layout()
     _save(fig, path)
 

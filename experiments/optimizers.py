@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import ivon
 import torch
 from torch import nn
 
@@ -105,6 +106,24 @@ def build_preconditioner(spec: Any, group: lgb.groups.LieGroup) -> Any:
     return factors
 
 
+class IVON(ivon.IVON):
+    """:class:`ivon.IVON` whose ``state_dict`` also holds its step count t.
+
+    IVON divides its momentum by the bias correction 1 − β₁ᵗ, and ``ivon.IVON`` keeps t in an
+    attribute outside its state dict: a resumed run would restart at t = 0 and take a first
+    step 1/(1 − β₁) times too large. With t in the state dict a resumed run continues exactly.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "current_step": self.current_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        step = state_dict.pop("current_step")
+        super().load_state_dict(state_dict)
+        self.current_step = int(step)
+
+
 def build_optimizer(
     cfg: dict[str, Any],
     params: Iterable[nn.Parameter],
@@ -114,7 +133,9 @@ def build_optimizer(
     """The optimizer of a resolved ``[optimizer]`` table; ``data_size`` is N.
 
     Baselines get the prior as weight decay δ/N (SGD with EMA momentum: dampening = β);
-    the BLR optimizers receive δ, τ and N themselves, and ``process_group`` under torchrun.
+    so does IVON, whose prior precision is ``weight_decay`` × ``ess`` (= δ with the default
+    ``ess`` = N). The BLR optimizers receive δ, τ and N themselves, and ``process_group``
+    under torchrun.
     """
     name, lr = cfg["name"], cfg["lr"]
     decay = cfg["prior_precision"] / data_size
@@ -123,6 +144,20 @@ def build_optimizer(
         return torch.optim.SGD(params, lr, momentum=beta, dampening=beta, weight_decay=decay)
     if name == "adam":
         return torch.optim.Adam(params, lr, betas=tuple(cfg["betas"]), weight_decay=decay)
+    if name == "ivon":
+        clip = cfg["clip_radius"]
+        return IVON(
+            params,
+            lr,
+            ess=data_size if cfg["ess"] is None else cfg["ess"],
+            hess_init=cfg["hess_init"],
+            beta1=cfg["beta1"],
+            beta2=cfg["beta2"],
+            weight_decay=decay,
+            mc_samples=cfg["mc_samples"],
+            hess_approx=cfg["hess_approx"],
+            clip_radius=math.inf if clip is None else clip,
+        )
     common = {
         "momentum": cfg["momentum"],
         "base": from_name(cfg["base"], scale=cfg["base_scale"], **cfg["base_options"]),

@@ -34,11 +34,11 @@ from tqdm import tqdm
 import liegroup_blr as lgb
 from experiments import cli, distributed, runfiles
 from experiments import config as config_module
-from experiments.data import Dataset, load_dataset, test_batches, train_batches
+from experiments.data import Dataset, load_dataset, test_batches, train_batches, validation_split
 from experiments.distributed import Processes
 from experiments.evaluate import evaluate
 from experiments.models import build_model
-from experiments.optimizers import build_optimizer, lr_factor
+from experiments.optimizers import IVON, build_optimizer, lr_factor
 from liegroup_blr import predictive
 from liegroup_blr.mc import mc_step
 
@@ -82,10 +82,18 @@ def resolve_device(name: str) -> torch.device:
 def build(cfg: dict[str, Any], processes: Processes) -> Run:
     """Seed every RNG with ``cfg['seed']``, then build data, model, optimizer and schedule.
 
-    Fills in ``cfg['data']['augment']`` with the dataset's default when unset. The
-    optimizer's data size is N = da_factor × (training-set size). Every process of a
-    torchrun builds the same model; the optimizers give each its own noise.
+    ``cfg['threads']`` > 0 sets torch's intra-op threads: matrix products split over a
+    different number of threads round differently, so one fixed count makes a run's numbers
+    the same on every machine with the same torch build.
+
+    Fills in ``cfg['data']['augment']`` with the dataset's default when unset. With
+    ``[data] validation`` > 0 the run trains on the rest of the training set and evaluates on
+    the held-out part (:func:`~experiments.data.validation_split`). The optimizer's data size
+    is N = da_factor × (training-set size). Every process of a torchrun builds the same model;
+    the optimizers give each its own noise.
     """
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
     seed = cfg["seed"]
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
@@ -94,11 +102,18 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
     dcfg, mcfg, ocfg = cfg["data"], cfg["model"], cfg["optimizer"]
     options = {k: v for k, v in dcfg.items() if k not in config_module.SECTIONS["data"]}
     data = load_dataset(dcfg["name"], dcfg["root"], **options)
+    if dcfg["validation"]:
+        data = validation_split(data, dcfg["validation"], dcfg["validation_seed"])
     if dcfg["augment"] is None:
         dcfg["augment"] = data.augment
     model_kw = {k: v for k, v in mcfg.items() if k != "name"}
     model = build_model(mcfg["name"], data.input_shape, data.num_classes, **model_kw).to(device)
     local = {**ocfg}
+    if ocfg["name"] == "ivon" and cfg["parallel"] == "mc" and processes.world > 1:
+        raise config_module.ConfigError(
+            "ivon draws its noise from torch's global generator, the same on every process: "
+            "train it with parallel = 'data' (or in one process)"
+        )
     if "mc_samples" in ocfg:
         local["mc_samples"] = distributed.local_samples(
             ocfg["mc_samples"], cfg["parallel"], processes
@@ -181,14 +196,23 @@ def load_checkpoint(run: Run, path: Path) -> tuple[int, list[dict[str, Any]]]:
 
 def _closure(run: Run, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
     """The closure ``optimizer.step`` calls at each sample: mean cross-entropy ℓ̄, backward
-    (and, for the baselines under torchrun, the mean gradient over processes)."""
+    (and, for the baselines under torchrun, the mean gradient over processes).
+
+    IVON's ``step`` calls the closure ``mc_samples`` times without sampling: each call runs
+    inside IVON's ``sampled_params(train=True)``, which draws θ and collects its gradient.
+    """
+    opt = run.optimizer
 
     def closure() -> torch.Tensor:
-        run.optimizer.zero_grad()
-        loss = cross_entropy(run.model(x), y)
-        loss.backward()
-        if not isinstance(run.optimizer, lgb.optim.BLROptimizer):
-            distributed.average_gradients(list(run.model.parameters()), run.processes)
+        sample = (
+            opt.sampled_params(train=True) if isinstance(opt, IVON) else contextlib.nullcontext()
+        )
+        with sample:
+            opt.zero_grad()
+            loss = cross_entropy(run.model(x), y)
+            loss.backward()
+            if not isinstance(opt, lgb.optim.BLROptimizer):
+                distributed.average_gradients(list(run.model.parameters()), run.processes)
         return loss.detach()
 
     return closure
@@ -254,7 +278,8 @@ def _check_state(run: Run, epoch: int) -> None:
     """Parameters and optimizer state must be finite before they are checkpointed."""
     if not runfiles.all_finite(list(run.model.parameters())):
         raise _diverged(epoch, "non-finite parameters at the end of the epoch")
-    state = [t for s in run.optimizer.state.values() for t in s.values()]
+    state = [t for s in run.optimizer.state.values() if isinstance(s, dict) for t in s.values()]
+    state += [v for g in run.optimizer.param_groups for k, v in g.items() if k != "params"]
     if not runfiles.all_finite([t for t in state if isinstance(t, torch.Tensor)]):
         raise _diverged(epoch, "non-finite optimizer state at the end of the epoch")
 
@@ -385,9 +410,12 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
     tic = time.perf_counter()
     results = evaluate(run.model, run.optimizer, test, cfg["eval"], out)
     results["train_seconds"] = sum(r["train_seconds"] for r in history)
+    results["steps"] = epochs * (len(run.data.train_y) // cfg["data"]["batch_size"])
+    results["fastest_pass_seconds"] = min(r["train_seconds"] for r in history)
     results["eval_seconds"] = time.perf_counter() - tic
     results["epochs"] = epochs
     results["train_size"], results["test_size"] = len(run.data.train_y), len(run.data.test_y)
+    results["eval_set"] = run.data.eval_set
     results["data_size"] = cfg["data"]["da_factor"] * len(run.data.train_y)
     results["optimizer"] = cfg["optimizer"]["name"]
     results["processes"] = processes.world

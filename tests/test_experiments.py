@@ -12,7 +12,7 @@ import pytest
 import torch
 from matplotlib import image as mpimg
 
-from experiments import compare, figures, train
+from experiments import compare, figures, memory_map, train, tune
 from experiments.config import ConfigError, load, resolve, split_runs
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -24,6 +24,13 @@ MODELS: dict[str, dict[str, Any]] = {
 OPTIMIZERS: dict[str, dict[str, Any]] = {
     "sgd": {"name": "sgd", "lr": 0.05, "prior_precision": 1.0},
     "adam": {"name": "adam", "lr": 1e-3},
+    "ivon": {
+        "name": "ivon",
+        "lr": 0.01,
+        "hess_init": 10.0,
+        "mc_samples": 2,
+        "prior_precision": 1.0,
+    },
     "additive": {"name": "additive", "lr": 0.05, "mc_samples": 2, "prior_precision": 1.0},
     "multiplicative": {"name": "multiplicative", "lr": 5.0, "temperature": 0.01, "mc_samples": 2},
     "affine": {"name": "affine", "lr": 0.5, "scale_lr": 0.05, "prior_precision": 1.0},
@@ -142,7 +149,7 @@ class Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize("optimizer", ["multiplicative", "affine"])
+@pytest.mark.parametrize("optimizer", ["multiplicative", "affine", "ivon"])
 def test_resume_reaches_the_uninterrupted_result(
     optimizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -173,11 +180,24 @@ def test_resume_reaches_the_uninterrupted_result(
     )
     a = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
     b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)
-    for key, value in a["model"].items():
-        assert torch.equal(value, b["model"][key]), key
-    for p, state in a["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(value, b["optimizer"]["state"][p][key]), key
+    assert_same(a["model"], b["model"])
+    assert_same(a["optimizer"], b["optimizer"])  # IVON: its Hessian, momentum and step count
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Nested dicts, lists and tensors equal entry by entry, tensors bit for bit."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 def test_resume_of_a_finished_run_only_evaluates(tmp_path: Path) -> None:
@@ -197,7 +217,7 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
         label: {"optimizer": OPTIMIZERS[label]} for label in OPTIMIZERS if "-" not in label
     }
     results = compare.compare(raw, tmp_path)
-    assert set(results) == {"sgd", "adam", "additive", "multiplicative", "affine"}
+    assert set(results) == {"sgd", "adam", "ivon", "additive", "multiplicative", "affine"}
     report = (tmp_path / "report.md").read_text()
     for label in results:
         assert f"| {label} | at g |" in report
@@ -221,6 +241,25 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
         ({"colour": 1}, r"unknown top-level key\(s\) \['colour'\]; valid keys: \['data'"),
         ({"optimizer": {"name": "nadam", "lr": 1}}, r"unknown optimizer 'nadam'; valid .*'sgd'"),
         ({"optimizer": {"name": "sgd", "lr": 1, "mc_samples": 2}}, r"unknown key.*mc_samples.*"),
+        (
+            {"optimizer": {"name": "adam", "lr": 1, "momentum": 0.9}},
+            r"unknown key.*'momentum'.*'betas'",
+        ),
+        (
+            {"optimizer": {"name": "ivon", "lr": 1, "hessinit": 1}},
+            r"unknown key.*'hessinit'.*'hess_init'",
+        ),
+        (
+            {"optimizer": {"name": "ivon", "lr": 1, "ess": "N"}},
+            r"\[optimizer\].ess must be of type float",
+        ),
+        (
+            {"optimizer": {"name": "ivon", "lr": 1, "ess": 0}},
+            r"\[optimizer\].ess of ivon must be > 0",
+        ),
+        ({"optimizer": {"name": "ivon", "lr": 1, "beta2": 1.5}}, r"\[optimizer\].beta2 of ivon"),
+        ({"optimizer": {"name": "ivon", "lr": 1, "hess_approx": "x"}}, r"hess_approx.*'gradsq'"),
+        ({"data": {"name": "synthetic", "validation": -1}}, r"\[data\].validation must be >= 0"),
         ({"optimizer": {"name": "affine", "lr": 1}}, r"missing required key 'scale_lr'"),
         ({"optimizer": {"name": "sgd", "lr": "fast"}}, r"\[optimizer\].lr must be of type"),
         ({"data": {"name": "imagenet"}}, r"unknown dataset 'imagenet'; valid .*'cifar10'"),
@@ -228,6 +267,8 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
         ({"model": {"name": "vit"}}, r"unknown model 'vit'; valid choices: \['cnn', 'mlp'"),
         ({"model": {"name": "mlp", "depth": 3}}, r"unknown key.*'depth'.*'widths'"),
         ({"device": "tpu"}, r"unknown device 'tpu'; valid choices"),
+        ({"threads": -1}, r"threads must be >= 0"),
+        ({"threads": 1.5}, r"threads must be of type int"),
         ({"schedule": {"epochs": 2, "warmup": 2}}, r"warmup"),
         ({"runs": {"a": {}}}, r"experiments.compare"),
     ],
@@ -238,6 +279,38 @@ def test_bad_config_is_a_clear_error(change: dict, message: str) -> None:
         cfg[key] = value
     with pytest.raises(ConfigError, match=message):
         resolve(cfg)
+
+
+def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cfg = tiny_config(schedule={"epochs": 1, "warmup": 0})
+        train.train({**cfg, "threads": 1}, tmp_path / "a")
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        train.train(cfg, tmp_path / "b")
+        assert torch.get_num_threads() == 2  # threads = 0 leaves torch's setting alone
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_ivon_gets_n_and_the_prior_from_the_config() -> None:
+    """ess defaults to N, the prior precision δ becomes weight decay δ/N (IVON's prior
+    precision is weight_decay × ess), and the documented hyperparameters reach IVON."""
+    from experiments.optimizers import IVON, build_optimizer
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    table = resolve(tiny_config(optimizer="ivon"))["optimizer"]
+    opt = build_optimizer(table, params, data_size=400.0)
+    assert isinstance(opt, IVON)
+    group = opt.param_groups[0]
+    assert group["ess"] == 400.0 and group["weight_decay"] == pytest.approx(1.0 / 400.0)
+    assert group["hess_init"] == 10.0 and group["clip_radius"] == math.inf
+    assert opt.mc_samples == 2 and opt.hess_approx == "price"
+    table.update(ess=50.0, clip_radius=1e-3, beta2=0.999, hess_approx="gradsq")
+    group = build_optimizer(table, params, data_size=400.0).param_groups[0]
+    assert (group["ess"], group["clip_radius"], group["beta2"]) == (50.0, 1e-3, 0.999)
 
 
 def test_bad_groups_and_devices_are_clear_errors(tmp_path: Path) -> None:
@@ -287,11 +360,23 @@ def test_split_runs_merges_shared_tables() -> None:
 
 @pytest.mark.parametrize(
     "path",
-    sorted((Path(__file__).parents[1] / "experiments" / "configs").glob("*.toml")),
+    sorted(
+        p
+        for p in (Path(__file__).parents[1] / "experiments" / "configs").glob("*.toml")
+        if not p.stem.startswith("continual_")  # tests/test_continual.py resolves those
+    ),
     ids=lambda p: p.stem,
 )
 def test_shipped_configs_resolve(path: Path) -> None:
-    runs = compare.run_configs(load(path))
+    raw = load(path)
+    if "tune" in raw:  # a tuning config: one run per grid point, on a validation split
+        raw, points = tune.grid_points(raw)
+        assert all(points.values()) and raw["data"]["validation"] > 0
+    if "memory" in raw:  # a memory-map validation: comparison runs and a [memory] table
+        runs, memory = memory_map.resolve(raw)
+        assert memory["retrain_epochs"]
+    else:
+        runs = compare.run_configs(raw)
     assert runs
     for by_seed in runs.values():
         assert 0 in by_seed

@@ -156,6 +156,37 @@ def test_train_batches_cover_the_epoch_and_drop_the_partial_batch() -> None:
     assert [len(y) for _, y in test] == [4, 1]
 
 
+def _rows(x: torch.Tensor) -> set[bytes]:
+    return {r.tobytes() for r in x.reshape(len(x), -1).numpy()}
+
+
+def test_validation_split_is_disjoint_from_training_and_test() -> None:
+    """mnist5k: 1,000 of the 4,000 training digits held out (its 5,000 images are distinct),
+    the rest train; no held-out digit is a training or a test digit; the split depends on
+    the validation seed only."""
+    ds = data.load_dataset("mnist5k")
+    split = data.validation_split(ds, 1000, seed=0)
+    assert split.eval_set == "validation" and ds.eval_set == "test"
+    assert len(split.test_y) == 1000 and len(split.train_y) == 3000
+    held, rest = _rows(split.test_x), _rows(split.train_x)
+    assert len(held) == 1000 and len(rest) == 3000
+    assert not held & rest and not held & _rows(ds.test_x) and not rest & _rows(ds.test_x)
+    assert held | rest == _rows(ds.train_x)
+    for x, y in ((split.test_x, split.test_y), (split.train_x, split.train_y)):
+        origin = {
+            r.tobytes(): int(label)
+            for r, label in zip(ds.train_x.flatten(1).numpy(), ds.train_y, strict=True)
+        }
+        assert all(
+            origin[r.tobytes()] == int(label)
+            for r, label in zip(x.flatten(1).numpy(), y, strict=True)
+        )
+    again, other = data.validation_split(ds, 1000, seed=0), data.validation_split(ds, 1000, seed=1)
+    assert torch.equal(again.test_x, split.test_x) and not torch.equal(other.test_x, split.test_x)
+    with pytest.raises(ValueError, match=r"\[data\].validation must be between 1 and 3999"):
+        data.validation_split(ds, 4000)
+
+
 def test_normalisation_uses_the_reference_constants() -> None:
     empty, labels = torch.zeros(1, 3, 2, 2), torch.zeros(1)
     ds = data.Dataset(empty, labels, empty, labels, 10, mean=(0.5, 0.25, 0.0), std=(0.5, 0.25, 2.0))

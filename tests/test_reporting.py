@@ -11,6 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import numpy as np
 import pytest
 import torch
@@ -121,6 +122,48 @@ def test_filter_colours_saturate_at_a_robust_limit() -> None:
     assert 0.9 < figures.robust_limit(f) < 1.0
 
 
+def test_mean_and_sd_band_of_constructed_curves() -> None:
+    """Three curves whose per-epoch values are known: mean (2, 4, 6), sample sd (1, 2, 0)."""
+    curves = [[1.0, 2.0, 6.0], [2.0, 4.0, 6.0], [3.0, 6.0, 6.0]]
+    mean, sd = figures.mean_and_sd(curves)
+    assert mean.tolist() == [2.0, 4.0, 6.0]
+    assert sd.tolist() == pytest.approx([1.0, 2.0, 0.0])
+    assert figures.mean_and_sd([[1.0, 5.0]])[1].tolist() == [0.0, 0.0]  # one seed: no band
+    with pytest.raises(ValueError, match="equal"):
+        figures.mean_and_sd([[1.0, 2.0], [1.0]])
+
+
+def test_learning_curves_draw_one_colour_and_band_per_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two rules over three seeds: two mean lines, two bands, one colour each."""
+    drawn: list[Any] = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: drawn.append(fig))
+
+    def rows(offset: float) -> list[dict[str, float]]:
+        return [
+            {"epoch": e, "test_accuracy": 0.5 + offset + 0.1 * e, "test_nll": 1.0 - offset}
+            for e in (1, 2, 3)
+        ]
+
+    histories = {"sgd": [rows(0.0), rows(0.01), rows(0.02)], "affine": [rows(0.1)] * 3}
+    figures.learning_curves(histories, tmp_path / "curves.png")
+    ax_acc = drawn[0].axes[0]
+    lines = ax_acc.get_lines()
+    assert [line.get_label() for line in lines] == ["sgd (3 seeds)", "affine (3 seeds)"]
+    assert lines[0].get_color() != lines[1].get_color()
+    assert lines[0].get_ydata().tolist() == pytest.approx([61.0, 71.0, 81.0])  # mean
+    bands = ax_acc.collections
+    assert len(bands) == 2
+    assert bands[0].get_facecolor()[0][:3] == pytest.approx(
+        matplotlib.colors.to_rgb(lines[0].get_color())
+    )
+    top = bands[0].get_paths()[0].vertices[:, 1].max()
+    assert top == pytest.approx(81.0 + 1.0)  # mean + sd of (80, 81, 82)
+    with pytest.raises(ValueError, match="different epochs"):
+        figures.learning_curves({"sgd": [rows(0.0), rows(0.0)[:2]]}, tmp_path / "bad.png")
+
+
 # --------------------------------------------------------------------- seeds summary
 
 
@@ -140,6 +183,17 @@ def test_summarise_gives_mean_sd_and_values() -> None:
     assert compare.summarise(runs[:1])["acc"] == {"mean": 0.5, "sd": None, "values": [0.5]}
     with pytest.raises(ValueError, match="differ"):
         compare.summarise([{"name": "sgd"}, {"name": "adam"}])
+
+
+def test_ms_per_step_is_of_the_fastest_pass() -> None:
+    """4 passes of 5 steps, the fastest pass 0.05 s: 10 ms per step; over two seeds
+    (10 and 20 ms) the summary is 15 ± 7.07."""
+    run = {"epochs": 4, "steps": 20, "fastest_pass_seconds": 0.05, "train_seconds": 1.0}
+    assert compare.ms_per_step(run) == pytest.approx(10.0)
+    slower = {**run, "fastest_pass_seconds": 0.1}
+    summary = compare.step_ms({"per_seed": {"0": run, "1": slower}})
+    assert summary["mean"] == pytest.approx(15.0)
+    assert summary["sd"] == pytest.approx(statistics.stdev([10.0, 20.0]))
 
 
 def test_seed_list_from_config_or_flag() -> None:

@@ -1,0 +1,203 @@
+"""Tune the runs of a comparison on a validation split: a grid per run, the best point chosen.
+
+    python -m experiments.tune CONFIG.toml [--out DIR] [--resume] [--seeds 0]
+
+CONFIG is a comparison config (experiments/compare.py) whose ``[data]`` holds out
+``validation`` training examples, with a ``[runs.LABEL.grid]`` table per run: optimizer
+keys → lists of values, and an optional top-level ``[tune]`` table: ``metric`` (``"nll"``,
+``"accuracy"``, ``"ece"`` or ``"brier"``; default ``"nll"``) and ``estimate`` (``"average"``,
+the model average, or ``"point"``; default ``"average"``). Every point of a grid (the
+product of its lists, in order) trains as ``DIR/LABEL.I/seedS`` and is evaluated on the
+held-out examples; the test set is never loaded into a tuning run. A point that diverges
+is recorded as such. ``DIR/tuning.md`` lists every point with its validation metrics and
+marks the chosen one (the best mean of ``metric`` over the seeds), ``DIR/tuned.json`` holds
+each label's chosen optimizer table and ``DIR/config.json`` every resolved run config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments import cli, compare, runfiles
+from experiments import config as config_module
+from experiments.train import DivergedError, train
+
+METRICS = ("nll", "accuracy", "ece", "brier")
+ESTIMATES = ("average", "point")
+HIGHER_IS_BETTER = {"accuracy"}
+
+
+def grid_points(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """The comparison config with one run ``LABEL.I`` per grid point, and label → the
+    optimizer values of each point (in the order of the product of the grid's lists)."""
+    runs = raw.get("runs")
+    if not isinstance(runs, dict) or not runs:
+        raise config_module.ConfigError("a tuning config needs [runs.LABEL] tables")
+    expanded, points = {}, {}
+    for label, run in runs.items():
+        grid = dict(run.get("grid", {}))
+        if not all(isinstance(v, list) and v for v in grid.values()):
+            raise config_module.ConfigError(
+                f"[runs.{label}.grid] must map optimizer keys to non-empty lists, got {grid}"
+            )
+        base = {k: v for k, v in run.items() if k != "grid"}
+        products = itertools.product(*grid.values())
+        points[label] = [dict(zip(grid, values, strict=True)) for values in products]
+        for i, point in enumerate(points[label]):
+            expanded[f"{label}.{i}"] = config_module.merge(base, {"optimizer": point})
+    shared = {k: v for k, v in raw.items() if k not in ("runs", "tune")}
+    return {**shared, "runs": expanded}, points
+
+
+def criterion(raw: dict[str, Any]) -> tuple[str, str]:
+    """(metric, estimate) of the ``[tune]`` table, checked."""
+    table = raw.get("tune", {})
+    unknown = sorted(set(table) - {"metric", "estimate"})
+    if unknown:
+        raise config_module.ConfigError(
+            f"unknown key(s) {unknown} in [tune]; valid keys: ['estimate', 'metric']"
+        )
+    metric, estimate = table.get("metric", "nll"), table.get("estimate", "average")
+    for key, value, valid in (("metric", metric, METRICS), ("estimate", estimate, ESTIMATES)):
+        if value not in valid:
+            raise config_module.ConfigError(
+                f"unknown [tune].{key} {value!r}; valid choices: {list(valid)}"
+            )
+    return metric, estimate
+
+
+def tune(
+    raw: dict[str, Any], out: str | Path, resume: bool = False, seeds: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """Train every grid point of every run for every seed into ``out`` and choose the best
+    per label. Returns label → ``{"chosen", "optimizer", "points"}``."""
+    out = Path(out)
+    metric, estimate = criterion(raw)
+    expanded, points = grid_points(raw)
+    configs = compare.run_configs(expanded, seeds)  # every point validated before any training
+    for label, by_seed in configs.items():
+        if not all(cfg["data"]["validation"] > 0 for cfg in by_seed.values()):
+            raise config_module.ConfigError(
+                f"run {label!r}: tuning must not see the test set; set [data] validation to "
+                "the number of training examples to hold out"
+            )
+    written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
+    with runfiles.locked(out):
+        compare.check_folder(out, written, resume)
+        runfiles.remove_leftovers(out)
+        runfiles.write_json(out / "config.json", written)
+        outcomes = {
+            label: {
+                str(s): _train_point(cfg, out / label / f"seed{s}", resume)
+                for s, cfg in by_seed.items()
+            }
+            for label, by_seed in configs.items()
+        }
+        results = choose(points, outcomes, configs, metric, estimate)
+        runfiles.write_json(out / "tuned.json", results)
+        runfiles.write_text(out / "tuning.md", report(results, metric, estimate) + "\n")
+    return results
+
+
+def _train_point(cfg: dict[str, Any], folder: Path, resume: bool) -> dict[str, Any] | None:
+    """The run's results, or None if it diverged."""
+    print(f"== tuning run {folder}", flush=True)
+    try:
+        return train(cfg, folder, resume)
+    except DivergedError as err:
+        print(f"== {folder} diverged: {err}", flush=True)
+        return None
+
+
+def score(runs: Sequence[dict[str, Any] | None], metric: str, estimate: str) -> float | None:
+    """Mean of ``metric`` at ``estimate`` over the seeds; None if any seed diverged."""
+    if any(r is None for r in runs):
+        return None
+    return statistics.fmean(r[estimate][metric] for r in runs if r is not None)
+
+
+def choose(
+    points: dict[str, list[dict[str, Any]]],
+    outcomes: dict[str, dict[str, dict[str, Any] | None]],
+    configs: dict[str, dict[int, dict[str, Any]]],
+    metric: str,
+    estimate: str,
+) -> dict[str, Any]:
+    """Per label the point with the best mean ``metric`` (lowest, highest for accuracy)."""
+    sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
+    chosen: dict[str, Any] = {}
+    for label, values in points.items():
+        rows: list[dict[str, Any]] = []
+        for i, point in enumerate(values):
+            runs = list(outcomes[f"{label}.{i}"].values())
+            rows.append({"values": point, "score": score(runs, metric, estimate), "runs": runs})
+        finite = [i for i, r in enumerate(rows) if r["score"] is not None]
+        if not finite:
+            raise runfiles.RunError(f"every grid point of run {label!r} diverged")
+        best = min(finite, key=lambda i: sign * rows[i]["score"])
+        optimizer = next(iter(configs[f"{label}.{best}"].values()))["optimizer"]
+        chosen[label] = {"chosen": best, "optimizer": optimizer, "points": rows}
+    return chosen
+
+
+def report(results: dict[str, Any], metric: str, estimate: str) -> str:
+    """Markdown: per label a table of its grid points with their validation metrics."""
+    lines = [
+        "# Tuning on the validation split",
+        "",
+        f"Chosen per run: the lowest mean {metric} of the {estimate} estimate over the seeds"
+        if metric not in HIGHER_IS_BETTER
+        else f"Chosen per run: the highest mean {metric} of the {estimate} estimate",
+        "(marked ←). Metrics are means over the seeds on the held-out training examples;",
+        "the average of a deterministic optimizer is its point estimate.",
+        "",
+    ]
+    for label, res in results.items():
+        keys = list(res["points"][0]["values"])
+        head = ["point", *keys]
+        head += [f"{m} {e}" for e in ESTIMATES for m in METRICS]
+        head += ["ms per step (fastest pass)", ""]
+        lines += [f"## {label}", "", "| " + " | ".join(head) + " |"]
+        lines.append("|" + "---:|" * (len(head) - 1) + "---|")
+        for i, row in enumerate(res["points"]):
+            cells = [
+                str(i),
+                *(
+                    f"{row['values'][k]:g}"
+                    if isinstance(row["values"][k], float)
+                    else str(row["values"][k])
+                    for k in keys
+                ),
+            ]
+            if row["score"] is None:
+                cells += ["diverged"] + [""] * (2 * len(METRICS))
+            else:
+                runs = row["runs"]
+                cells += [
+                    f"{statistics.fmean(r[e][m] for r in runs):.4f}"
+                    for e in ESTIMATES
+                    for m in METRICS
+                ]
+                cells.append(f"{statistics.fmean(compare.ms_per_step(r) for r in runs):.1f}")
+            cells.append("←" if i == res["chosen"] else "")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _show(results: dict[str, Any], out: Path) -> None:
+    print((out / "tuning.md").read_text())
+    print(f"tuning in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run("python -m experiments.tune", __doc__, tune, _show, argv, compare.parse_seeds)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
