@@ -81,3 +81,31 @@ def test_lie_group_rule_trains_over_two_processes(tmp_path: Path, parallel: str)
     for key, value in main["model"].items():  # the same parameters on both processes
         assert torch.equal(value, other["model"][key])
     assert not torch.equal(main["optimizer"]["rng"]["cpu"], other["optimizer"]["rng"]["cpu"])
+
+
+TABLE = MULTIPLICATIVE.replace("mc_samples = 2", 'noise = "table"')
+
+
+def test_fsdp_from_the_cli_equals_one_process(tmp_path: Path) -> None:
+    """``parallel = "fsdp"``: two processes, each half of every batch and half of every
+    parameter and its state, evaluate as one process does (table noise, addressed by
+    global index, makes even the model average's samples the same)."""
+    one = run(tmp_path, "one", TABLE, "data", 1)
+    two = run(tmp_path, "fsdp", TABLE, "fsdp", 2)
+    assert two["processes"] == 2 and two["point"]["accuracy"] > 0.8
+    for estimate in ("point", "average"):
+        for key in ("accuracy", "nll", "ece", "brier"):
+            assert two[estimate][key] == pytest.approx(one[estimate][key], rel=1e-5, abs=1e-7)
+    whole = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
+    shards = [
+        torch.load(tmp_path / "fsdp" / name, weights_only=True)
+        for name in ("checkpoint.pt", "checkpoint.rank1.pt")
+    ]
+    for key, value in whole["model"].items():  # each process keeps its rows: FSDP2's Shard(0)
+        rows = [s["model"][key] for s in shards]
+        torch.testing.assert_close(torch.cat(rows), value, rtol=1e-5, atol=1e-7)
+        assert rows[0].shape[0] == (value.shape[0] + 1) // 2
+    for i, state in whole["optimizer"]["state"].items():  # and its rows of the state
+        for name, value in state.items():
+            parts = [s["optimizer"]["state"][i][name] for s in shards]
+            torch.testing.assert_close(torch.cat(parts, dim=1), value, rtol=1e-5, atol=1e-7)
