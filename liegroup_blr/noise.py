@@ -154,6 +154,12 @@ class NoiseSource:
             table = self._tables[key] = NoiseTable(base, size, seed, like.dtype, like.device)
         return table
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the noise tables and of the kept first draws of antithetic pairs."""
+        tables = sum(t.table.nbytes for t in self._tables.values())
+        return tables + sum(k.nbytes for k in self._kept.values())
+
     def start_sample(self, train: bool) -> None:
         """Open one sample: a training sample is the first or the second of a pair."""
         self._reflect = train and self._reflect_next

@@ -4,6 +4,7 @@ checkpoints resume bit for bit."""
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -83,8 +84,17 @@ def elements(opt, model):
     return {name: post[name].element for name in post}
 
 
-def _init(folder, rank):
+def spawn(worker, folder):
+    """Run ``worker(rank, folder)`` on 2 gloo processes."""
+    mp.spawn(_joined, args=(worker.__name__, str(folder)), nprocs=2, join=True)
+
+
+def _joined(rank, name, folder):
     dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
+    globals()[name](rank, folder)
+    gc.collect()  # DDP's reducer and DCP's writers go before the process group does
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _sharded(make, rank, **kw):
@@ -97,28 +107,24 @@ def _sharded(make, rank, **kw):
 
 
 def _fsdp_worker(rank: int, folder: str) -> None:
-    _init(folder, rank)
-    try:
-        out = {}
-        for rule, mode in CASES:
-            model, opt, xb, yb = _sharded(
-                RULES[rule], rank, noise="table", table_size=5000, seed=3, between_steps=mode
-            )
-            train(model, opt, xb, yb, between_steps=mode)
-            out[f"{rule}-{mode}"] = elements(opt, model)
-            out[f"{rule}-{mode}-local"] = [
-                {k: v.shape for k, v in opt.state[p].items()} for p in model.parameters()
-            ]
-        torch.save(out, f"{folder}/fsdp{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    out = {}
+    for rule, mode in CASES:
+        model, opt, xb, yb = _sharded(
+            RULES[rule], rank, noise="table", table_size=5000, seed=3, between_steps=mode
+        )
+        train(model, opt, xb, yb, between_steps=mode)
+        out[f"{rule}-{mode}"] = elements(opt, model)
+        out[f"{rule}-{mode}-local"] = [
+            {k: v.shape for k, v in opt.state[p].items()} for p in model.parameters()
+        ]
+    torch.save(out, f"{folder}/fsdp{rank}.pt")
 
 
 def test_fsdp_over_two_processes_equals_one_process_on_the_whole_batch(tmp_path):
     """Table noise addressed by global index: the shards' rules give the one process's group
     elements, for every element-wise rule, also with the sample held between steps; each
     rank keeps the state of its shard only (uneven and empty shards included)."""
-    mp.spawn(_fsdp_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_fsdp_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"fsdp{r}.pt", weights_only=True) for r in range(2)]
     for rule, mode in CASES:
         model, x, y = make_problem()
@@ -150,27 +156,24 @@ def _fresh_worker(rank: int, folder: str) -> None:
     loss is NaN on rank 1 only."""
     from torch.distributed.fsdp import fully_shard
 
-    _init(folder, rank)
-    try:
-        torch.manual_seed(rank)
-        layer = nn.Linear(400, 50, bias=False).to(DTYPE)
-        fully_shard(layer)
-        opt = RULES["additive"](layer.parameters(), seed=7)
-        point = layer.weight.full_tensor()
-        draws = []
-        for _ in range(2):
-            with opt.sampled_params():
-                draws.append(layer.weight.full_tensor() - point)
-        model, opt, xb, yb = _sharded(RULES["multiplicative"], rank, seed=3)
-        before = elements(opt, model)
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")
-            train(model, opt, xb, yb, steps=2, nan_at=1)
-        out = {"draws": draws, "before": before, "after": elements(opt, model)}
-        out["skipped"] = opt.skipped_steps
-        torch.save(out, f"{folder}/fresh{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(rank)
+    layer = nn.Linear(400, 50, bias=False).to(DTYPE)
+    fully_shard(layer)
+    opt = RULES["additive"](layer.parameters(), seed=7)
+    point = layer.weight.full_tensor()
+    draws = []
+    for _ in range(2):
+        with opt.sampled_params():
+            draws.append(layer.weight.full_tensor() - point)
+    memory = opt.memory()
+    model, opt, xb, yb = _sharded(RULES["multiplicative"], rank, seed=3)
+    before = elements(opt, model)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        train(model, opt, xb, yb, steps=2, nan_at=1)
+    out = {"draws": draws, "memory": memory, "before": before, "after": elements(opt, model)}
+    out["skipped"] = opt.skipped_steps
+    torch.save(out, f"{folder}/fresh{rank}.pt")
 
 
 def test_fresh_noise_draws_each_element_once_per_sample_and_ranks_skip_together(tmp_path):
@@ -178,7 +181,7 @@ def test_fresh_noise_draws_each_element_once_per_sample_and_ranks_skip_together(
     the rank holding it, from the base (N(0, 0.1²)), the shards' draws independent of each
     other and of the next sample's (a CPU generator cannot skip ahead: not one process's
     values, as table noise is). A step whose loss is NaN on one rank is skipped by both."""
-    mp.spawn(_fresh_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_fresh_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"fresh{r}.pt", weights_only=True) for r in range(2)]
     for first, second in zip(ranks[0]["draws"], ranks[1]["draws"], strict=True):
         assert torch.equal(first, second)  # one global sample, the same on both ranks
@@ -191,6 +194,12 @@ def test_fresh_noise_draws_each_element_once_per_sample_and_ranks_skip_together(
         halves = draw[:25].flatten(), draw[25:].flatten()
         assert abs(float(torch.corrcoef(torch.stack(halves))[0, 1])) < bound
     assert abs(float(torch.corrcoef(torch.stack((a.flatten(), b.flatten())))[0, 1])) < bound
+    whole = RULES["additive"](nn.Linear(400, 50, bias=False).to(DTYPE).parameters())
+    with whole.sampled_params():  # the draw makes the scratch buffers
+        pass
+    for rank in ranks:  # each rank holds the state of its half of the rows
+        assert rank["memory"]["state"] == whole.memory()["state"] // 2
+        assert rank["memory"]["scratch"] == whole.memory()["scratch"] // 2 > 0
     for rank in ranks:  # step 1 (NaN on rank 1 only) skipped on both; step 0 taken
         assert rank["skipped"] == 1
         for name, element in rank["after"].items():
@@ -207,44 +216,40 @@ def _checkpoint_worker(rank: int, folder: str) -> None:
         set_optimizer_state_dict,
     )
 
-    _init(folder, rank)
-    try:
-        results = {}
-        for mode in ("point", "sample"):
-            model, opt, xb, yb = _sharded(RULES["affine"], rank, seed=3, between_steps=mode)
-            train(model, opt, xb, yb, steps=2, between_steps=mode)
-            dcp.save({"train": TrainingState(model, opt)}, checkpoint_id=f"{folder}/{mode}")
-            saved_rng = opt.state_dict()["rng"]
-            train(model, opt, xb, yb, steps=2, between_steps=mode)
-            straight = elements(opt, model)
+    results = {}
+    for mode in ("point", "sample"):
+        model, opt, xb, yb = _sharded(RULES["affine"], rank, seed=3, between_steps=mode)
+        train(model, opt, xb, yb, steps=2, between_steps=mode)
+        dcp.save({"train": TrainingState(model, opt)}, checkpoint_id=f"{folder}/{mode}")
+        saved_rng = opt.state_dict()["rng"]
+        train(model, opt, xb, yb, steps=2, between_steps=mode)
+        straight = elements(opt, model)
 
-            model, opt, xb, yb = _sharded(RULES["affine"], rank, seed=3, between_steps=mode)
-            dcp.load({"train": TrainingState(model, opt)}, checkpoint_id=f"{folder}/{mode}")
-            loaded_rng = opt.state_dict()["rng"]
-            train(model, opt, xb, yb, steps=2, between_steps=mode)
-            resumed = elements(opt, model)
+        model, opt, xb, yb = _sharded(RULES["affine"], rank, seed=3, between_steps=mode)
+        dcp.load({"train": TrainingState(model, opt)}, checkpoint_id=f"{folder}/{mode}")
+        loaded_rng = opt.state_dict()["rng"]
+        train(model, opt, xb, yb, steps=2, between_steps=mode)
+        resumed = elements(opt, model)
 
-            model, opt, xb, yb = _sharded(RULES["affine"], rank, seed=3, between_steps=mode)
-            osd = get_optimizer_state_dict(model, opt)
-            dcp.load({"train": {"optim": osd}}, checkpoint_id=f"{folder}/{mode}")
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                set_optimizer_state_dict(model, opt, osd)
-            results[mode] = {
-                "straight": straight,
-                "resumed": resumed,
-                "saved_rng": saved_rng,
-                "loaded_rng": loaded_rng,
-                "dropped": [str(w.message) for w in caught],
-                "sharded_state": type(osd["state"]["0.weight"]["element"]).__name__,
-            }
-        torch.save(results, f"{folder}/ckpt{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        model, opt, xb, yb = _sharded(RULES["affine"], rank, seed=3, between_steps=mode)
+        osd = get_optimizer_state_dict(model, opt)
+        dcp.load({"train": {"optim": osd}}, checkpoint_id=f"{folder}/{mode}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            set_optimizer_state_dict(model, opt, osd)
+        results[mode] = {
+            "straight": straight,
+            "resumed": resumed,
+            "saved_rng": saved_rng,
+            "loaded_rng": loaded_rng,
+            "dropped": [str(w.message) for w in caught],
+            "sharded_state": type(osd["state"]["0.weight"]["element"]).__name__,
+        }
+    torch.save(results, f"{folder}/ckpt{rank}.pt")
 
 
 def test_dcp_checkpoint_of_a_sharded_run_resumes_bit_for_bit(tmp_path):
-    mp.spawn(_checkpoint_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_checkpoint_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"ckpt{r}.pt", weights_only=True) for r in range(2)]
     for mode in ("point", "sample"):
         for rank in ranks:
@@ -267,43 +272,39 @@ def _refusal_worker(rank: int, folder: str) -> None:
 
     from liegroup_blr.groups import FullAffineGroup, RotationScalingGroup
 
-    _init(folder, rank)
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        weight = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]))
-        messages = {}
-        cases = {
-            "process_group": lambda: RULES["affine"]([weight], process_group=dist.group.WORLD),
-            "full_affine": lambda: lgb.LieGroupBLR(
-                [weight], FullAffineGroup(), Normal(0, 1), 0.1, data_size=64
-            ),
-            "rotation": lambda: lgb.LieGroupBLR(
-                [weight], RotationScalingGroup(), Normal(1, 1), 0.1, data_size=64
-            ),
-        }
-        for name, make in cases.items():
-            try:
-                make()
-            except ValueError as error:
-                messages[name] = str(error)
-        torch.manual_seed(0)
-        model, x, y = make_problem()
-        ddp = DistributedDataParallel(model)
-        opt = RULES["multiplicative"](ddp.parameters(), seed=3, process_group=dist.group.WORLD)
+    mesh = init_device_mesh("cpu", (2,))
+    weight = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(0)]))
+    messages = {}
+    cases = {
+        "process_group": lambda: RULES["affine"]([weight], process_group=dist.group.WORLD),
+        "full_affine": lambda: lgb.LieGroupBLR(
+            [weight], FullAffineGroup(), Normal(0, 1), 0.1, data_size=64
+        ),
+        "rotation": lambda: lgb.LieGroupBLR(
+            [weight], RotationScalingGroup(), Normal(1, 1), 0.1, data_size=64
+        ),
+    }
+    for name, make in cases.items():
         try:
-            train(ddp, opt, half(x, rank), half(y, rank), steps=1)
+            make()
         except ValueError as error:
-            messages["ddp"] = str(error)
-        torch.save(messages, f"{folder}/refused{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+            messages[name] = str(error)
+    torch.manual_seed(0)
+    model, x, y = make_problem()
+    ddp = DistributedDataParallel(model)
+    opt = RULES["multiplicative"](ddp.parameters(), seed=3, process_group=dist.group.WORLD)
+    try:
+        train(ddp, opt, half(x, rank), half(y, rank), steps=1)
+    except ValueError as error:
+        messages["ddp"] = str(error)
+    torch.save(messages, f"{folder}/refused{rank}.pt")
 
 
 def test_what_cannot_work_on_shards_or_with_ddp_is_refused_in_one_line(tmp_path):
     """process_group with sharded parameters, groups that act across coordinates, and a
     DDP-wrapped model given process_group (each process's noise paired with averaged
     gradients: the multiplicative rule's first update was 30 % off)."""
-    mp.spawn(_refusal_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_refusal_worker, tmp_path)
     for rank in range(2):
         messages = torch.load(tmp_path / f"refused{rank}.pt", weights_only=True)
         assert "drop process_group=" in messages["process_group"]

@@ -222,6 +222,13 @@ class GroupStateOptimizer(Optimizer):
                 return group
         raise ValueError("p: not a parameter of this optimizer")
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this process holds: ``"state"`` (elements and momenta; of a sharded
+        parameter, its shard's), ``"scratch"`` (accumulators, noise and other per-step
+        buffers, made at the first step) and ``"noise"`` (noise tables, antithetic draws)."""
+        state = sum(t.nbytes for s in self.state.values() for t in s.values())
+        return {"state": state, "scratch": self._scratch.nbytes, "noise": self.noise_source.nbytes}
+
     @property
     def seed(self) -> int:
         """Seed of the optimizer's noise."""
