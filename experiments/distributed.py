@@ -117,7 +117,8 @@ def shard(model: nn.Module, processes: Processes) -> nn.Module:
     for child in model.children():
         if any(True for _ in child.parameters()):
             fully_shard(child)
-    return fully_shard(model, reshard_after_forward=True)
+    fully_shard(model, reshard_after_forward=True)
+    return model
 
 
 def local_state(state: Any) -> Any:

@@ -31,7 +31,7 @@ from torch.distributions import Cauchy, Distribution, Laplace, Normal, StudentT,
 from .distributions import Dirac, sample_each, sample_into
 from .optim.distributed import SHARDED, shard_of
 
-__all__ = ["NOISE_SOURCES", "NoiseSource", "NoiseTable", "symmetric_centre"]
+__all__ = ["NOISE_SOURCES", "NoiseSource", "NoiseTable", "shard_name", "symmetric_centre"]
 
 NOISE_SOURCES = ("fresh", "table")
 """Noise sources the optimizers accept (fresh draws from the base, or a :class:`NoiseTable`)."""
@@ -136,7 +136,7 @@ class NoiseSource:
 
     def generator(self, device: torch.device, shard: str = "") -> torch.Generator:
         """The generator of ``device`` (made on first use from the seed, device and rank), or
-        of a ``shard`` of sharded parameters on it (:func:`shard_name`)."""
+        of a ``shard`` of sharded parameters on it (:func:`~liegroup_blr.noise.shard_name`)."""
         gen = self._generators.get((device, shard))
         if gen is None:
             gen = torch.Generator(device=device)

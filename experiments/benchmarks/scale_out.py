@@ -7,9 +7,10 @@
 2. Step time on the same global batch (50): one process against 2 FSDP2 processes of 25 each,
    for SGD (momentum) and the three rules; ``OMP_NUM_THREADS=1`` per process, median over
    rounds of the mean of ``--steps`` steps.
-3. What a rule adds to FSDP2's traffic per step: one all-reduce of one number per device mesh
-   dimension (the skip agreed by all ranks); the per-parameter bytes behind the 1-billion-
-   parameter estimate on docs/scaling.md.
+3. Traffic per step and rank with 2 processes, counted at the collectives (all-gathers,
+   reduce-scatters, all-reduces): FSDP2's, and what a rule adds (the skip agreed by the
+   ranks); with 1, the per-parameter bytes behind the 1-billion-parameter estimate on
+   docs/scaling.md.
 
 Run: ``python -m experiments.benchmarks.scale_out [--steps 20 --rounds 5]``.
 """
@@ -21,6 +22,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,12 +47,56 @@ RULES = {
 }
 
 
+COLLECTIVES = {
+    "all_gather_single": (0, "output_tensor"),
+    "reduce_scatter_single": (1, "input"),
+    "all_reduce": (0, "tensor"),
+}
+"""The collectives FSDP2 and the rules call, and the argument (position, name) that holds the
+bytes moved: the gathered output, the input reduced."""
+
+
+@contextmanager
+def counted(totals: dict[str, int]) -> Iterator[None]:
+    """Add the bytes each collective moves to ``totals`` while the block runs."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def counted_call(*args: Any, **kwargs: Any) -> Any:
+            position, keyword = COLLECTIVES[name]
+            tensor = args[position] if len(args) > position else kwargs[keyword]
+            totals[name] = totals.get(name, 0) + tensor.nbytes
+            return call(*args, **kwargs)
+
+        return counted_call
+
+    for name, call in originals.items():
+        setattr(dist, name, counting(name, call))
+    try:
+        yield
+    finally:
+        for name, call in originals.items():
+            setattr(dist, name, call)
+
+
 def memory(opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this process holds: state, scratch buffers, noise tables (local shards only)."""
     if isinstance(opt, lgb.optim.BLROptimizer):
         return opt.memory()
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"state": sum(t.nbytes for t in state)}
+
+
+def _closure(
+    opt: torch.optim.Optimizer, model: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> Callable[[], float]:
+    def closure() -> float:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return float(loss)
+
+    return closure
 
 
 def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
@@ -75,12 +122,7 @@ def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
             x, y = x[part], y[part]
             opt = make(model.parameters())
 
-            def closure(opt=opt, model=model, x=x, y=y) -> torch.Tensor:
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                return loss
-
+            closure = _closure(opt, model, x, y)
             for _ in range(2):
                 opt.step(closure)
             times = []
@@ -91,7 +133,13 @@ def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
                 for _ in range(steps):
                     opt.step(closure)
                 times.append((time.perf_counter() - tic) / steps)
+            traffic: dict[str, int] = {}
+            with counted(traffic):
+                for _ in range(steps):
+                    opt.step(closure)
+            traffic = {k: v // steps for k, v in traffic.items()}
             results[name] = {"memory": memory(opt), "seconds": statistics.median(times)}
+            results[name]["traffic"] = traffic
             results[name]["params"] = params
         torch.save(results, f"{folder}/world{world}-rank{rank}.pt")
     finally:
@@ -128,19 +176,21 @@ def main() -> None:
             f"{m2['state'] / m1['state']:>8.3f}{m1['scratch'] / params:>12.2f}"
             f"{m2['scratch'] / params:>12.2f}{m2['noise'] / params:>8.2f}"
         )
-    print("\n== 2. step time, same global batch: 2 FSDP2 processes ÷ 1 process ==")
+    print("\n== 2. step time, same global batch: 1 process, 2 FSDP2 processes (the slower rank) ==")
+    sgd = one["sgd"]["seconds"], max(r["sgd"]["seconds"] for r in two)
     for name in RULES:
         t1, t2 = one[name]["seconds"], max(r[name]["seconds"] for r in two)
         print(
-            f"{name:<16}1 process {t1 * 1e3:7.2f} ms   2 processes {t2 * 1e3:7.2f} ms   "
-            f"ratio {t2 / t1:5.2f}   ÷ SGD's ratio "
-            f"{(t2 / t1) / (max(r['sgd']['seconds'] for r in two) / one['sgd']['seconds']):5.2f}"
+            f"{name:<16}1 process {t1 * 1e3:7.2f} ms ({t1 / sgd[0]:4.2f} x SGD)   "
+            f"2 processes {t2 * 1e3:7.2f} ms ({t2 / sgd[1]:4.2f} x SGD)   2 ÷ 1: {t2 / t1:5.2f}"
         )
-    print(
-        "\n== 3. traffic a rule adds to FSDP2's per step: one all-reduce of one float32 per "
-        "mesh dimension (the skip); FSDP2 itself all-gathers the parameters (forward, and "
-        "backward when resharded) and reduce-scatters the gradients =="
-    )
+    print("\n== 3. traffic per step and rank, 2 processes, bytes (per model parameter) ==")
+    for name in RULES:
+        traffic = two[0][name]["traffic"]
+        params = one[name]["params"]
+        extra = sum(traffic.values()) - sum(two[0]["sgd"]["traffic"].values())
+        cells = "   ".join(f"{k} {v:,} ({v / params:.2f})" for k, v in sorted(traffic.items()))
+        print(f"{name:<16}{cells}   more than SGD: {extra:,} bytes")
 
 
 if __name__ == "__main__":

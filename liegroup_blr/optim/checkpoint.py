@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -40,7 +40,7 @@ class TrainingState(Stateful):
         optimizer: its optimizer, built on ``model``'s parameters.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     @staticmethod

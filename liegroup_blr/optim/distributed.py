@@ -39,7 +39,7 @@ __all__ = [
     "shared_seed",
 ]
 
-SHARDED: tuple[type, ...] = ()
+SHARDED: tuple[type[Any], ...] = ()
 """Tensor types of sharded parameters (DTensor: FSDP2's ``fully_shard``)."""
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -114,7 +114,7 @@ def all_reduce_accumulators(
 
 def local(t: Tensor) -> Tensor:
     """A DTensor's local shard (the tensor itself, no copy); any other tensor unchanged."""
-    return t._local_tensor if isinstance(t, SHARDED) else t  # type: ignore[attr-defined]
+    return t._local_tensor if isinstance(t, SHARDED) else t
 
 
 def shard_of(full: Tensor, p: Any) -> Tensor:
