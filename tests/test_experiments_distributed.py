@@ -43,14 +43,16 @@ SGD = 'name = "sgd"\nlr = 0.1'
 MULTIPLICATIVE = 'name = "multiplicative"\nlr = 1.0\ntemperature = 0.1\nmc_samples = 2'
 
 
-def run(tmp_path: Path, name: str, optimizer: str, parallel: str, processes: int) -> dict:
+def run(
+    tmp_path: Path, name: str, optimizer: str, parallel: str, processes: int, *options: str
+) -> dict:
     cfg = tmp_path / f"{name}.toml"
     cfg.write_text(CONFIG.format(parallel=parallel, optimizer=optimizer))
     out = tmp_path / name
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     command = [sys.executable, *(launcher if processes > 1 else []), "-m", "experiments.train"]
     done = subprocess.run(
-        [*command, str(cfg), "--out", str(out)],
+        [*command, str(cfg), "--out", str(out), *options],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -96,6 +98,9 @@ def test_fsdp_from_the_cli_equals_one_process(tmp_path: Path) -> None:
     for estimate in ("point", "average"):
         for key in ("accuracy", "nll", "ece", "brier"):
             assert two[estimate][key] == pytest.approx(one[estimate][key], rel=1e-5, abs=1e-7)
+    again = run(tmp_path, "fsdp", TABLE, "fsdp", 2, "--resume")  # each rank loads its shards
+    for estimate in ("point", "average"):
+        assert again[estimate] == two[estimate]
     whole = torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=True)
     shards = [
         torch.load(tmp_path / "fsdp" / name, weights_only=True)

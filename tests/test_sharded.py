@@ -35,7 +35,10 @@ RULES = {
         ps, DiagonalAffineGroup(), Normal(0.0, 1.0), lr=0.1, data_size=64, init=_affine_init, **kw
     ),
 }
-CASES = [(rule, "point") for rule in RULES] + [("multiplicative", "sample"), ("affine", "sample")]
+CASES = [(rule, "point", False) for rule in RULES] + [
+    ("affine", "sample", False),
+    ("multiplicative", "sample", True),  # compiled: the update draws the next sample
+]
 
 
 def _affine_init(theta):
@@ -108,9 +111,10 @@ def _sharded(make, rank, **kw):
 
 def _fsdp_worker(rank: int, folder: str) -> None:
     out = {}
-    for rule, mode in CASES:
+    for rule, mode, compiled in CASES:
+        options = dict(between_steps=mode, compile=compiled)
         model, opt, xb, yb = _sharded(
-            RULES[rule], rank, noise="table", table_size=5000, seed=3, between_steps=mode
+            RULES[rule], rank, noise="table", table_size=5000, seed=3, **options
         )
         train(model, opt, xb, yb, between_steps=mode)
         out[f"{rule}-{mode}"] = elements(opt, model)
@@ -126,11 +130,10 @@ def test_fsdp_over_two_processes_equals_one_process_on_the_whole_batch(tmp_path)
     rank keeps the state of its shard only (uneven and empty shards included)."""
     spawn(_fsdp_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"fsdp{r}.pt", weights_only=True) for r in range(2)]
-    for rule, mode in CASES:
+    for rule, mode, compiled in CASES:
         model, x, y = make_problem()
-        opt = RULES[rule](
-            model.parameters(), noise="table", table_size=5000, seed=3, between_steps=mode
-        )
+        options = dict(between_steps=mode, compile=compiled)
+        opt = RULES[rule](model.parameters(), noise="table", table_size=5000, seed=3, **options)
         start = elements(opt, model)
         train(model, opt, x, y, between_steps=mode)
         one = elements(opt, model)
@@ -139,16 +142,12 @@ def test_fsdp_over_two_processes_equals_one_process_on_the_whole_batch(tmp_path)
             for r in range(2):
                 got = ranks[r][f"{rule}-{mode}"][name]
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-9, msg=(rule, name))
-        rows = [p.shape[0] for p in model.parameters()]
-        for i, n in enumerate(rows):  # the rank's rows of every state tensor: its shard's
-            mine = [(n + 1) // 2, n - (n + 1) // 2]
+        for i, p in enumerate(model.parameters()):  # each rank holds its shard's rows
+            n = p.shape[0]
+            mine = [(n + 1) // 2, n - (n + 1) // 2]  # Shard(0): 8 → 4, 4; 3 → 2, 1; 1 → 1, 0
             for r in range(2):
                 for shape in ranks[r][f"{rule}-{mode}-local"][i].values():
-                    assert shape[-model_dims(model)[i]] == mine[r], (rule, i, r, shape)
-
-
-def model_dims(model):
-    return [p.dim() for p in model.parameters()]
+                    assert shape[-p.dim()] == mine[r], (rule, i, r, shape)
 
 
 def _fresh_worker(rank: int, folder: str) -> None:
@@ -289,6 +288,12 @@ def _refusal_worker(rank: int, folder: str) -> None:
             make()
         except ValueError as error:
             messages[name] = str(error)
+    model, opt, xb, yb = _sharded(RULES["additive"], rank, seed=3)
+    loss = nn.functional.binary_cross_entropy_with_logits
+    try:
+        lgb.mc_step(opt, model, loss, xb, yb, vectorize=True)
+    except ValueError as error:
+        messages["vectorize"] = str(error)
     torch.manual_seed(0)
     model, x, y = make_problem()
     ddp = DistributedDataParallel(model)
@@ -312,4 +317,5 @@ def test_what_cannot_work_on_shards_or_with_ddp_is_refused_in_one_line(tmp_path)
         assert "element-wise group" in messages["rotation"]
         assert "DistributedDataParallel" in messages["ddp"]
         assert "drop process_group=" in messages["ddp"]
+        assert "vectorize=False" in messages["vectorize"]
         assert all("\n" not in m for m in messages.values())

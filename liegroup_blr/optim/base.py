@@ -358,8 +358,7 @@ class BLROptimizer(SampleHolding):
         n = engine.samples
         if self.process_group is not None:
             if not engine.unaveraged:  # a DDP-wrapped model: refused
-                raw = [g for d in engine.deferred.values() for g in d.raw]
-                engine.unaveraged = refuse_averaged(raw, self.process_group)
+                engine.unaveraged = refuse_averaged(engine.deferred, self.process_group)
             self._accumulate_deferred()
             accs = [a for _, _, t in work for a in t.accs]
             n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)

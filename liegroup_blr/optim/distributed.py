@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .tensors import Deferred
+
 __all__ = [
     "SHARDED",
     "agree",
@@ -175,22 +177,27 @@ def agree(ok: bool, p: Any) -> bool:
     return bool(flag.item())
 
 
-def refuse_averaged(grads: list[Tensor], process_group: Any) -> bool:
-    """Refuse gradients that are the same on every process of ``process_group`` although each
-    drew its own sample: averaged by DistributedDataParallel, which would pair each process's
-    noise with the others' gradients (one all-gather of a fingerprint, at the first update).
+def refuse_averaged(deferred: dict[int, Deferred], process_group: Any) -> bool:
+    """Refuse the ``deferred`` samples' gradients when they are the same on every process of
+    ``process_group`` although the processes drew different noise: averaged by
+    DistributedDataParallel, which would pair each process's noise with the others' gradients
+    (one all-gather of two fingerprints, at the first update).
 
     Returns:
-        ``True``: the gradients differ.
+        ``True``, once checked.
 
     Raises:
-        ValueError: every process holds the same gradients.
+        ValueError: every process holds the same gradients, and their noise differs.
     """
-    fingerprint = torch.stack([g.double().sum() for g in grads]).sum() if grads else None
+    grads = [g for d in deferred.values() for g in d.raw]
+    noise = [n for d in deferred.values() for n in d.noise]
     prints: list[Any] = [None] * dist.get_world_size(process_group)
-    value = None if fingerprint is None else float(fingerprint)
-    dist.all_gather_object(prints, value, group=process_group)
-    if len(prints) > 1 and prints[0] is not None and len(set(prints)) == 1:
+    mine = None
+    if grads:
+        mine = tuple(float(sum(t.double().sum() for t in ts)) for ts in (grads, noise))
+    dist.all_gather_object(prints, mine, group=process_group)
+    same_grads = len({p and p[0] for p in prints}) == 1 and prints[0] is not None
+    if len(prints) > 1 and same_grads and len({p[1] for p in prints}) > 1:
         raise ValueError(
             "process_group: every process holds the same gradients although each drew its own "
             "sample: the model is wrapped in DistributedDataParallel, which averages them; "

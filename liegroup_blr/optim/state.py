@@ -188,17 +188,18 @@ class GroupStateOptimizer(Optimizer):
 
     # ------------------------------------------------------------ public API
     def group_element(self, p: Tensor) -> dict[str, Tensor]:
-        """Named components of ``p``'s current group element (detached copies):
-        ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative, ``{'A', 'b'}`` affine,
-        ``{'g'}`` for groups without named parts."""
+        """Named components of ``p``'s current group element (detached copies; of a sharded
+        parameter, its local shard's): ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative,
+        ``{'A', 'b'}`` affine, ``{'g'}`` for groups without named parts."""
         group = self._param_group(p)
         parts = self._group_of(group).parts(self.state[p]["element"])
         return {k: v.detach().clone() for k, v in parts.items()}
 
     @torch.no_grad()
     def set_group_element(self, p: Tensor, element: Tensor) -> None:
-        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``) and write the
-        new point estimate into ``p``; momentum is kept."""
+        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``; of a sharded
+        parameter, its local shard's) and write the new point estimate into ``p``; momentum
+        is kept."""
         group = self._param_group(p)
         if "element" not in self.state.get(p, {}):
             self._init_states(group, [p])
@@ -209,7 +210,7 @@ class GroupStateOptimizer(Optimizer):
         if not ok:
             raise ValueError(f"element: {reason}")
         state["element"].copy_(element)
-        self._write_point(group, [p], [state["element"]], self._point_mean(group))
+        self._write_point(group, [local(p)], [state["element"]], self._point_mean(group))
 
     def _describe(self, group: dict[str, Any]) -> str:
         """What a param group's state means: the rule and its Lie group."""
