@@ -94,7 +94,7 @@ def _closure(
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        return float(loss)
+        return float(loss.detach())
 
     return closure
 
