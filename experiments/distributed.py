@@ -7,20 +7,29 @@ process takes its slice of each minibatch and runs all ``mc_samples`` samples; w
 ``parallel = "mc"`` every process takes the whole minibatch and ``mc_samples / world``
 samples. Either way the Lie-group optimizers sum their algebra-gradient accumulators over
 the processes (``process_group``), and the baselines average their gradients, so the
-parameters stay identical on every process. Only rank 0 writes the run's files; each
-process keeps its own checkpoint, since its noise generator is its own.
+parameters stay identical on every process. With ``parallel = "fsdp"`` the model is sharded
+with FSDP2 (``fully_shard``): each process holds 1/world of the parameters and of the
+optimizer state, takes its slice of each minibatch, and FSDP2 averages the gradients; one
+sample per step on the global batch, each element's noise drawn by the process holding it.
+Every process evaluates (the forward passes gather the shards). Only rank 0 writes the run's
+files; each process keeps its own checkpoint, since its noise generator (and, sharded, its
+part of the state) is its own.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import fully_shard
 
-PARALLEL = ("data", "mc")
+from liegroup_blr.optim.distributed import SHARDED, local
+
+PARALLEL = ("data", "mc", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -36,19 +45,28 @@ class Processes:
         """Whether this process writes the run's files (rank 0)."""
         return self.rank == 0
 
+    parallel: str = "data"
+
     @property
     def group(self) -> object | None:
-        """The process group for the optimizers, or None for a single process."""
-        return dist.group.WORLD if self.world > 1 else None
+        """The process group for the optimizers: None for a single process and for FSDP2."""
+        return dist.group.WORLD if self.world > 1 and self.parallel != "fsdp" else None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the processes (FSDP2)."""
+        return self.world > 1 and self.parallel == "fsdp"
 
 
-def from_environment() -> Processes:
+def from_environment(parallel: str = "data") -> Processes:
     """The processes ``torchrun`` describes in RANK / WORLD_SIZE / LOCAL_RANK (one process
-    without them); joins the process group: NCCL with CUDA, else gloo."""
+    without them), sharing the work as ``parallel`` says; joins the process group: NCCL with
+    CUDA, else gloo."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return Processes()
-    processes = Processes(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)))
+        return Processes(parallel=parallel)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    processes = Processes(rank, world, local_rank, parallel)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return processes
@@ -63,8 +81,9 @@ def device_for(name: str, processes: Processes) -> torch.device:
 
 
 def local_samples(mc_samples: int, parallel: str, processes: Processes) -> int:
-    """Samples each process draws: all of them (data parallel) or its share (MC parallel)."""
-    if parallel == "data" or processes.world == 1:
+    """Samples each process draws: all of them (data parallel, FSDP2) or its share (MC
+    parallel)."""
+    if parallel != "mc" or processes.world == 1:
         return mc_samples
     if mc_samples % processes.world:
         raise ValueError(
@@ -75,12 +94,13 @@ def local_samples(mc_samples: int, parallel: str, processes: Processes) -> int:
 
 
 def local_batch(x: Tensor, y: Tensor, parallel: str, processes: Processes) -> tuple[Tensor, Tensor]:
-    """This process's part of a minibatch: its contiguous slice (data parallel) or all of it."""
+    """This process's part of a minibatch: its contiguous slice (data parallel, FSDP2) or all
+    of it."""
     if parallel == "mc" or processes.world == 1:
         return x, y
     if len(x) % processes.world:
         raise ValueError(
-            f"parallel 'data': the batch size {len(x)} must be divisible by the "
+            f"parallel '{parallel}': the batch size {len(x)} must be divisible by the "
             f"{processes.world} processes"
         )
     size = len(x) // processes.world
@@ -88,9 +108,55 @@ def local_batch(x: Tensor, y: Tensor, parallel: str, processes: Processes) -> tu
     return x[part], y[part]
 
 
+def shard(model: nn.Module, processes: Processes) -> nn.Module:
+    """FSDP2 over the processes: each child module with parameters, then the root, which
+    reshards after its forward too (the optimizers write the shards between steps, and FSDP2
+    would go on using the gathered parameters of an unresharded module)."""
+    if not processes.sharded:
+        return model
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model, reshard_after_forward=True)
+    return model
+
+
+def local_state(state: Any) -> Any:
+    """A state dict with each DTensor replaced by this process's shard (what its own
+    checkpoint file keeps)."""
+    if isinstance(state, dict):
+        return {k: local_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [local_state(v) for v in state]
+    return local(state) if isinstance(state, Tensor) else state
+
+
+def full_state(state: Any) -> Any:
+    """A state dict with each DTensor gathered whole (a collective per DTensor)."""
+    if isinstance(state, dict):
+        return {k: full_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [full_state(v) for v in state]
+    return state.full_tensor() if isinstance(state, SHARDED) else state
+
+
+@torch.no_grad()
+def load_model_state(model: nn.Module, state: dict[str, Any], processes: Processes) -> None:
+    """``model.load_state_dict``, or, sharded, each entry copied into this process's shard."""
+    if not processes.sharded:
+        model.load_state_dict(state)
+        return
+    own = model.state_dict()
+    if own.keys() != state.keys():
+        raise KeyError(f"the model's entries differ: {sorted(own.keys() ^ state.keys())}")
+    for name, value in state.items():
+        local(own[name]).copy_(value)
+
+
 def average_gradients(parameters: list[Tensor], processes: Processes) -> None:
-    """Mean of ``p.grad`` over the processes (the deterministic baselines under torchrun)."""
-    if processes.world == 1:
+    """Mean of ``p.grad`` over the processes (the deterministic baselines under torchrun;
+    FSDP2 averages them itself)."""
+    if processes.world == 1 or processes.sharded:
         return
     for p in parameters:
         if p.grad is not None:

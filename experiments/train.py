@@ -99,16 +99,20 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
     np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
     torch.manual_seed(seed)
     device = distributed.device_for(resolve_device(cfg["device"]).type, processes)
-    dcfg, mcfg, ocfg = cfg["data"], cfg["model"], cfg["optimizer"]
+    dcfg, ocfg = cfg["data"], cfg["optimizer"]
     options = {k: v for k, v in dcfg.items() if k not in config_module.SECTIONS["data"]}
     data = load_dataset(dcfg["name"], dcfg["root"], **options)
     if dcfg["validation"]:
         data = validation_split(data, dcfg["validation"], dcfg["validation_seed"])
     if dcfg["augment"] is None:
         dcfg["augment"] = data.augment
-    model_kw = {k: v for k, v in mcfg.items() if k != "name"}
-    model = build_model(mcfg["name"], data.input_shape, data.num_classes, **model_kw).to(device)
+    model = distributed.shard(_model(cfg, data, device), processes)
     local = {**ocfg}
+    if processes.sharded and (ocfg["name"] == "ivon" or _vectorized(ocfg)):
+        raise config_module.ConfigError(
+            "parallel = 'fsdp' shards the parameters (DTensor), which ivon's optimizer and "
+            "the vectorised samples (vectorize, batch_split) do not take: use parallel = 'data'"
+        )
     if ocfg["name"] == "ivon" and cfg["parallel"] == "mc" and processes.world > 1:
         raise config_module.ConfigError(
             "ivon draws its noise from torch's global generator, the same on every process: "
@@ -126,6 +130,25 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
     scheduler = LambdaLR(optimizer, schedule)
     data_rng = torch.Generator().manual_seed(seed)
     return Run(cfg, device, data, model, optimizer, scheduler, data_rng, processes)
+
+
+def _model(cfg: dict[str, Any], data: Dataset, device: torch.device) -> nn.Module:
+    """The config's network for ``data``, on ``device``."""
+    mcfg = cfg["model"]
+    options = {k: v for k, v in mcfg.items() if k != "name"}
+    return build_model(mcfg["name"], data.input_shape, data.num_classes, **options).to(device)
+
+
+def _gathered(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A sharded run's model and optimizer whole, as one process holds them, gathered from
+    the shards on every process (collectives: every process calls it)."""
+    cfg = run.cfg
+    model = _model(cfg, run.data, run.device)
+    model.load_state_dict(distributed.full_state(run.model.state_dict()))
+    data_size = cfg["data"]["da_factor"] * len(run.data.train_y)
+    optimizer = build_optimizer({**cfg["optimizer"]}, model.parameters(), data_size)
+    optimizer.load_state_dict(distributed.full_state(run.optimizer.state_dict()))
+    return model, optimizer
 
 
 def rng_state(data_rng: torch.Generator) -> dict[str, Any]:
@@ -164,8 +187,8 @@ def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, An
     so far atomically (the rows live here so that no kill can lose them)."""
     state = {
         "epoch": epoch,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        "model": distributed.local_state(run.model.state_dict()),
+        "optimizer": distributed.local_state(run.optimizer.state_dict()),
         "scheduler": run.scheduler.state_dict(),
         "rng": rng_state(run.data_rng),
         "history": history,
@@ -178,7 +201,7 @@ def load_checkpoint(run: Run, path: Path) -> tuple[int, list[dict[str, Any]]]:
     metrics rows (a checkpoint from before the rows were kept: those of ``metrics.jsonl``)."""
     state = runfiles.load_torch(path)
     try:
-        run.model.load_state_dict(state["model"])
+        distributed.load_model_state(run.model, state["model"], run.processes)
         run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(run.data_rng, state["rng"])
@@ -227,11 +250,16 @@ def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     """
     ocfg = run.cfg["optimizer"]
     x, y = distributed.local_batch(x, y, run.cfg["parallel"], run.processes)
-    if ocfg.get("vectorize") or ocfg.get("batch_split", 1) > 1:
+    if _vectorized(ocfg):
         assert isinstance(run.optimizer, lgb.optim.BLROptimizer)
         options = {"vectorize": ocfg["vectorize"], "batch_split": ocfg["batch_split"]}
         return float(mc_step(run.optimizer, run.model, cross_entropy, x, y, **options))
     return float(run.optimizer.step(_closure(run, x, y)))  # type: ignore[arg-type]
+
+
+def _vectorized(ocfg: dict[str, Any]) -> bool:
+    """Whether the samples of a step go through :func:`liegroup_blr.mc.mc_step`."""
+    return bool(ocfg.get("vectorize")) or ocfg.get("batch_split", 1) > 1
 
 
 def train_epoch(run: Run, epoch: int) -> float:
@@ -259,7 +287,7 @@ def train_epoch(run: Run, epoch: int) -> float:
         loss = _step(run, x, y)
         if not math.isfinite(loss):
             raise _diverged(epoch, f"loss {loss} at step {step}")
-        if not runfiles.all_finite(list(run.model.parameters())):
+        if not runfiles.all_finite([distributed.local(p) for p in run.model.parameters()]):
             raise _diverged(epoch, f"non-finite parameters after the update of step {step}")
         losses.append(loss)
         rate = len(losses) * len(y) / (time.perf_counter() - start)
@@ -276,7 +304,7 @@ def _diverged(epoch: int, what: str) -> DivergedError:
 
 def _check_state(run: Run, epoch: int) -> None:
     """Parameters and optimizer state must be finite before they are checkpointed."""
-    if not runfiles.all_finite(list(run.model.parameters())):
+    if not runfiles.all_finite([distributed.local(p) for p in run.model.parameters()]):
         raise _diverged(epoch, "non-finite parameters at the end of the epoch")
     state = [t for s in run.optimizer.state.values() if isinstance(s, dict) for t in s.values()]
     state += [v for g in run.optimizer.param_groups for k, v in g.items() if k != "params"]
@@ -321,10 +349,10 @@ def _check_data(run: Run) -> None:
             "run (the last partial batch is dropped)"
         )
     world = run.processes.world
-    if run.cfg["parallel"] == "data" and batch % world:
+    if run.cfg["parallel"] != "mc" and batch % world:
         raise config_module.ConfigError(
             f"[data].batch_size {batch} must be divisible by the {world} processes "
-            "(parallel 'data')"
+            f"(parallel '{run.cfg['parallel']}')"
         )
 
 
@@ -369,8 +397,8 @@ def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[st
     the run's life. Each epoch's metrics row is saved inside its checkpoint, then
     ``metrics.jsonl`` is rewritten from it, so no kill loses a row.
     """
-    processes = distributed.from_environment()
     cfg = config_module.resolve(raw)
+    processes = distributed.from_environment(cfg["parallel"])
     out = Path(out)
     with contextlib.ExitStack() as lock:
         prepare = partial(_prepare, cfg, out, resume, processes, lock)
@@ -397,6 +425,8 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
         run.scheduler.step()
         seconds = time.perf_counter() - tic
         _check_state(run, epoch)
+        if processes.sharded and not processes.main:  # the forward passes gather the shards
+            _epoch_row(run, test, epoch, lr, loss, seconds)
         if processes.main:
             row = _epoch_row(run, test, epoch, lr, loss, seconds)
             if runfiles.nonfinite(row):
@@ -405,10 +435,11 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
         save_checkpoint(run, epoch + 1, ckpt, history)
         if processes.main:
             runfiles.write_jsonl(out / METRICS, history)
+    model, optimizer = _gathered(run) if processes.sharded else (run.model, run.optimizer)
     if not processes.main:
         return {}
     tic = time.perf_counter()
-    results = evaluate(run.model, run.optimizer, test, cfg["eval"], out)
+    results = evaluate(model, optimizer, test, cfg["eval"], out)
     results["train_seconds"] = sum(r["train_seconds"] for r in history)
     results["steps"] = epochs * (len(run.data.train_y) // cfg["data"]["batch_size"])
     results["fastest_pass_seconds"] = min(r["train_seconds"] for r in history)
@@ -447,10 +478,11 @@ def _epoch_row(
         "test_nll": predictive.nll(log_probs, labels),
         "train_seconds": seconds,
     }
-    tqdm.write(
-        f"epoch {epoch + 1}/{run.cfg['schedule']['epochs']}: loss {loss:.4f}, test accuracy "
-        f"at g {100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
-    )
+    if run.processes.main:
+        tqdm.write(
+            f"epoch {epoch + 1}/{run.cfg['schedule']['epochs']}: loss {loss:.4f}, test accuracy "
+            f"at g {100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
+        )
     return row
 
 

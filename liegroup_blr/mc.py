@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from .optim import BLROptimizer, unwrap
+from .optim.distributed import SHARDED
 
 __all__ = ["default_chunk_size", "mc_step"]
 
@@ -99,6 +100,11 @@ def mc_step(
     optimizer = blr
     if optimizer.pending_samples:
         raise RuntimeError("mc_step() needs an optimizer with no samples pending")
+    if vectorize and any(isinstance(p, SHARDED) for p in model.parameters()):
+        raise ValueError(
+            "vectorize: vmap over samples does not take sharded (DTensor, FSDP2) parameters; "
+            "pass vectorize=False"
+        )
     xs, ys = _slices(inputs, targets, batch_split)
     count = batch_split * optimizer.mc_samples
     try:

@@ -10,6 +10,13 @@ of the table at a uniformly random offset, copied into place — one memory pass
 random integer instead of a random number per coordinate, as evolution-strategies codes do.
 Antithetic sampling pairs ξ with its reflection :math:`2c - \xi` about the centre c of a
 symmetric base: half the draws, and lower variance of the gradient estimate.
+
+A sharded (DTensor, FSDP2) parameter's shard is served the part of the whole parameter's
+table window that it covers, addressed by global index: the same values as one process,
+however the parameter is split. Fresh draws for a shard come from the shard's own generator
+(seeded by its coordinate on the device mesh): each element is drawn once per sample, by the
+rank that holds it, independently of the other shards; a CPU generator cannot skip ahead to an
+offset, so these are not the one process's values, only values of the same law.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ from torch import Tensor
 from torch.distributions import Cauchy, Distribution, Laplace, Normal, StudentT, Uniform
 
 from .distributions import Dirac, sample_each, sample_into
+from .optim.distributed import SHARDED, shard_of
 
-__all__ = ["NOISE_SOURCES", "NoiseSource", "NoiseTable", "symmetric_centre"]
+__all__ = ["NOISE_SOURCES", "NoiseSource", "NoiseTable", "shard_name", "symmetric_centre"]
 
 NOISE_SOURCES = ("fresh", "table")
 """Noise sources the optimizers accept (fresh draws from the base, or a :class:`NoiseTable`)."""
@@ -120,19 +128,20 @@ class NoiseSource:
             raise ValueError(f"table_size: must be a positive integer, got {table_size!r}")
         self.kind, self.seed, self.rank = kind, int(seed), rank
         self.antithetic, self.table_size = bool(antithetic), table_size
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[tuple[torch.device, str], torch.Generator] = {}
         self._tables: dict[tuple[int, torch.device, torch.dtype], NoiseTable] = {}
         self._kept: dict[Tensor, Tensor] = {}  # first draw of the current antithetic pair
         self._reflect_next = False
         self._reflect = self._keep = False
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The generator of ``device`` (made on first use from the seed, device and rank)."""
-        gen = self._generators.get(device)
+    def generator(self, device: torch.device, shard: str = "") -> torch.Generator:
+        """The generator of ``device`` (made on first use from the seed, device and rank), or
+        of a ``shard`` of sharded parameters on it (:func:`~liegroup_blr.noise.shard_name`)."""
+        gen = self._generators.get((device, shard))
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed ^ zlib.crc32(f"{device}:{self.rank}".encode()))
-            self._generators[device] = gen
+            gen.manual_seed(self.seed ^ zlib.crc32(f"{device}:{self.rank}{shard}".encode()))
+            self._generators[device, shard] = gen
         return gen
 
     def table(self, base: Distribution, index: int, like: Tensor, largest: int) -> NoiseTable:
@@ -144,6 +153,12 @@ class NoiseSource:
             seed = (self.seed + 7919 * (index + 1) + 104729 * self.rank) % 2**63
             table = self._tables[key] = NoiseTable(base, size, seed, like.dtype, like.device)
         return table
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the noise tables and of the kept first draws of antithetic pairs."""
+        tables = sum(t.table.nbytes for t in self._tables.values())
+        return tables + sum(k.nbytes for k in self._kept.values())
 
     def start_sample(self, train: bool) -> None:
         """Open one sample: a training sample is the first or the second of a pair."""
@@ -171,19 +186,25 @@ class NoiseSource:
             if centre:
                 torch._foreach_add_(outs, 2 * centre)
             return outs
+        sharded = any(isinstance(k, SHARDED) for k in keys)
         if self.kind == "table":
             largest = 2 * max(k.numel() for k in keys)  # 2: signed parts
             offsets = torch.randint(0, 2**62, (len(outs),), generator=self.generator(_CPU))
             xis = [
                 self.table(base, index, out, largest).window(out.numel(), offset).view(out.shape)
-                for out, offset in zip(outs, offsets.tolist(), strict=True)
+                if not sharded
+                else self._shard_window(self.table(base, index, out, largest), out, k, offset)
+                for out, k, offset in zip(outs, keys, offsets.tolist(), strict=True)
             ]
-        elif len(devices := {out.device for out in outs}) == 1:
+        elif not sharded and len(devices := {out.device for out in outs}) == 1:
             device = devices.pop()
-            gen = self._generators.get(device) or self.generator(device)
+            gen = self._generators.get((device, "")) or self.generator(device)
             xis = sample_each(base, outs, gen)
         else:
-            xis = [sample_into(base, out, self.generator(out.device)) for out in outs]
+            xis = [
+                sample_into(base, out, self.generator(out.device, shard_name(k)))
+                for out, k in zip(outs, keys, strict=True)
+            ]
         if self._keep:
             for k, xi in zip(keys, xis, strict=True):
                 first = self._kept.get(k)
@@ -192,9 +213,30 @@ class NoiseSource:
                 first.copy_(xi)
         return xis
 
+    def make_generators(self, keys: list[Tensor]) -> None:
+        """Make now every generator draws for the parameters ``keys`` will use, so that a
+        state dict lists them all (DCP loads only the entries of the state dict it is
+        given)."""
+        if self.kind == "table":
+            self.generator(_CPU)
+            return
+        for key in keys:
+            device = (key._local_tensor if isinstance(key, SHARDED) else key).device
+            self.generator(device, shard_name(key))
+
+    @staticmethod
+    def _shard_window(table: NoiseTable, out: Tensor, key: Tensor, offset: int) -> Tensor:
+        """The sharded parameter ``key``'s part of the window at ``offset`` for the whole
+        parameter, copied into ``out`` (its local shard's shape)."""
+        shape = (*out.shape[: out.dim() - key.dim()], *key.shape)
+        whole = table.window(torch.Size(shape).numel(), offset).view(shape)
+        return out.copy_(shard_of(whole, key))
+
     def state_dict(self) -> dict[str, Any]:
         """Seed and generator states (tables are rebuilt from the seed)."""
-        rng = {str(device): gen.get_state() for device, gen in self._generators.items()}
+        rng = {
+            f"{device}{shard}": gen.get_state() for (device, shard), gen in self._generators.items()
+        }
         return {"seed": self.seed, "rng": rng}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -204,10 +246,22 @@ class NoiseSource:
         self._tables.clear()
         self._kept.clear()
         self._reflect_next = False
-        for device, gen_state in state.get("rng", {}).items():
-            self.generator(torch.device(device)).set_state(gen_state)
+        for name, gen_state in state.get("rng", {}).items():
+            device, _, shard = name.partition("/")
+            self.generator(torch.device(device), shard and f"/{shard}").set_state(gen_state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_tables"] = {}  # deterministic in the seed: rebuilt, not copied
         return state
+
+
+def shard_name(key: Tensor) -> str:
+    """The generator name of a sharded parameter's shard: ``"/shard"`` and its coordinates on
+    the device-mesh dimensions it is sharded along (ranks holding replicas of one shard draw
+    alike); ``""`` for any other tensor."""
+    if not isinstance(key, SHARDED):
+        return ""
+    coordinate = key.device_mesh.get_coordinate() or []
+    dims = [d for d, q in enumerate(key.placements) if q.is_shard()]
+    return "/shard" + ",".join(str(coordinate[d]) for d in dims)

@@ -162,13 +162,15 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
 
         Keys are ``model.named_parameters()`` names when ``model`` is given, else positions
         in the order of the optimizer's param groups (the order of ``model.parameters()``
-        for an optimizer built from it). Parameters without state yet (never trained, e.g.
-        frozen) are left out, recorded in :attr:`missing` and named in a warning.
+        for an optimizer built from it). Sharded (FSDP2) parameters' elements are gathered
+        whole (a collective: call it on every rank). Parameters without state yet (never
+        trained, e.g. frozen) are left out, recorded in :attr:`missing` and named in a warning.
 
         Raises:
             ValueError: ``model`` lacks one of the optimizer's parameters.
         """
         from .optim import AdditiveBLR, AffineBLR, MultiplicativeBLR, unwrap  # late: cycles
+        from .optim.distributed import SHARDED, as_dtensor
 
         optimizer = unwrap(optimizer) or optimizer
 
@@ -191,6 +193,8 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
                 state = optimizer.state.get(p, {})
                 if "element" in state:
                     element = state["element"].detach().clone()
+                    if isinstance(p, SHARDED):  # the whole element, on every rank
+                        element = as_dtensor(element, p).full_tensor()
                     entries[key] = PosteriorEntry(element, lie_group, base, p.shape)
                 else:
                     missing.append(key)

@@ -159,19 +159,3 @@ def test_ddp_ranks_seeded_apart_train_as_one_process_on_the_global_batch(tmp_pat
     for rank in ranks:  # per-rank seeds would draw different noise: refused, naming the fix
         assert "different seeds [0, 1]" in rank["refused"]
         assert "process_group=" in rank["refused"]
-
-
-def test_sharded_parameters_are_refused_in_one_line(tmp_path):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    init = f"file://{tmp_path}/init"
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        weight = nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
-        for make in DDP_RULES.values():
-            with pytest.raises(NotImplementedError, match=r"DTensor, FSDP2.*process_group="):
-                make([weight])
-    finally:
-        dist.destroy_process_group()

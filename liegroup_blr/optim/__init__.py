@@ -3,6 +3,7 @@
 from .additive import AdditiveBLR
 from .affine import AffineBLR
 from .base import BLROptimizer
+from .checkpoint import TrainingState
 from .generic import LieGroupBLR
 from .multiplicative import MultiplicativeBLR
 from .options import EngineOptions
@@ -17,5 +18,6 @@ __all__ = [
     "LieGroupBLR",
     "MultiplicativeBLR",
     "Sample",
+    "TrainingState",
     "unwrap",
 ]

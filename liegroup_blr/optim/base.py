@@ -36,7 +36,15 @@ from ..noise import NoiseSource
 from ..posterior import Posterior
 from .amp import inverse_scale, record_finite, scaler_step
 from .checks import check_choice, check_count
-from .distributed import all_reduce_accumulators, broadcast_elements, replicas, shared_seed
+from .distributed import (
+    SHARDED,
+    agree,
+    all_reduce_accumulators,
+    broadcast_elements,
+    refuse_averaged,
+    replicas,
+    shared_seed,
+)
 from .holding import SampleHolding
 from .options import EngineState
 from .scratch import Scratch
@@ -121,7 +129,7 @@ class BLROptimizer(SampleHolding):
         self._scratch = Scratch()
         super().__init__(params, defaults)
         if process_group is not None or replicated is not None:
-            elements = [s["element"] for s in self.state.values()]
+            elements = [s["element"] for p, s in self.state.items() if not isinstance(p, SHARDED)]
             broadcast_elements(elements, process_group if replicated is None else replicated)
             self.restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
@@ -176,16 +184,18 @@ class BLROptimizer(SampleHolding):
         if self._engine.deferred:  # the draw rewrites the noise a deferred sample reads
             self._accumulate_deferred()
         self.noise_source.start_sample(train)
+        keys: list[Tensor] = []
         params: list[Tensor] = []
         noise: list[Tensor] = []
         for index, group in enumerate(self.param_groups):
             t = self._tensors(index, group)
             if t is None:
                 continue
-            xi = self.noise_source.sample(t.noise, group["base"], t.params, index)
+            xi = self.noise_source.sample(t.noise, group["base"], t.keys, index)
             noise += self._draw(group, t, xi)
+            keys += t.keys
             params += t.params
-        return Sample(params, params, noise)
+        return Sample(keys, params, noise)
 
     @torch.no_grad()
     def accumulate(
@@ -215,17 +225,18 @@ class BLROptimizer(SampleHolding):
         if engine.deferred:
             self._accumulate_deferred()
         grads = [p.grad for p in sample.params] if grads is None else grads
+        grads = [g._local_tensor if isinstance(g, SHARDED) else g for g in grads]
         at = {p: i for i, p in enumerate(sample.params)}
         for index, group in enumerate(self.param_groups):
             t = engine.tensors.get(index) or self._tensors(index, group)  # gathered by the draw
             if t is None:
                 continue
-            idx = [at.get(p, -1) for p in t.params]
+            idx = [at.get(p, -1) for p in t.keys]
             has = [i >= 0 and grads[i] is not None for i in idx]
             for first in (True, False):
                 keep = [
                     h and (p not in engine.pending) == first
-                    for h, p in zip(has, t.params, strict=True)
+                    for h, p in zip(has, t.keys, strict=True)
                 ]
                 if not any(keep):
                     continue
@@ -244,23 +255,8 @@ class BLROptimizer(SampleHolding):
                 else:
                     total = deferred.gradients(inverse_scale(self), self._scratch)
                     self._accumulate(group, part, deferred.noise, total, first)
-            engine.pending.update(dict.fromkeys(p for p, h in zip(t.params, has, strict=True) if h))
+            engine.pending.update(dict.fromkeys(p for p, h in zip(t.keys, has, strict=True) if h))
         engine.samples += 1
-
-    def _take_deferred(self, index: int) -> Deferred | None:
-        """Param group ``index``'s deferred sample, removed from the pending step; checked."""
-        deferred = self._engine.deferred.pop(index, None)
-        if deferred is not None and any(
-            g._version != v for g, v in zip(deferred.raw, deferred.versions, strict=True)
-        ):
-            self.discard()
-            raise RuntimeError(
-                "a gradient was changed in place before the optimizer read it (accumulate("
-                "defer=True), a sampled_params(train=True) block); the pending samples are "
-                "discarded: change gradients inside the block, or use between_steps='sample', "
-                "whose step() reads p.grad as it finds it"
-            )
-        return deferred
 
     def _fresh_gradients(self) -> list[Tensor]:
         """The gradients of trained parameters made or changed since the engine last looked,
@@ -277,7 +273,7 @@ class BLROptimizer(SampleHolding):
                     continue
                 marks[p] = (_GONE if g is None else weakref.ref(g), version)  # type: ignore[assignment]
                 if g is not None and mark is not None:
-                    fresh.append(g)
+                    fresh.append(g._local_tensor if isinstance(g, SHARDED) else g)
         return fresh
 
     # ------------------------------------------------------------------- step
@@ -329,9 +325,7 @@ class BLROptimizer(SampleHolding):
         """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
         engine = self._engine
         fresh = self._fresh_gradients()
-        made_outside = bool(fresh) and bool(
-            torch.stack([g.abs().amax() for g in fresh]).gt(0).any()
-        )
+        made_outside = bool(fresh) and bool(torch.stack([g.ne(0).any() for g in fresh]).any())
         if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
             self._refuse_outside_gradients()
         losses = []
@@ -358,11 +352,13 @@ class BLROptimizer(SampleHolding):
         engine = self._engine
         work: list[tuple[int, dict[str, Any], GroupTensors]] = []  # parameters with samples
         for index, t in engine.tensors.items():
-            keep = [p.requires_grad and p in engine.pending for p in t.params]
+            keep = [p.requires_grad and p in engine.pending for p in t.keys]
             if any(keep):
                 work.append((index, self.param_groups[index], t if all(keep) else t.subset(keep)))
         n = engine.samples
         if self.process_group is not None:
+            if not engine.unaveraged:  # a DDP-wrapped model: refused
+                engine.unaveraged = refuse_averaged(engine.deferred, self.process_group)
             self._accumulate_deferred()
             accs = [a for _, _, t in work for a in t.accs]
             n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
@@ -395,9 +391,11 @@ class BLROptimizer(SampleHolding):
         checked = [t for proposal in proposals for t in proposal.checked]
         sums = [s for pr in proposals for s in (pr.sums or [t.sum() for t in pr.checked])]
         moved = len(proposals) == len(work) and finite and all_finite(checked, sums)
+        if self._mesh_param is not None:  # the shards' ranks take or skip the step together
+            moved = agree(moved, self._mesh_param)
         if moved:
             for (_, _, t), proposal in zip(work, proposals, strict=True):
-                states = [self.state[p] for p in t.params]  # the new momenta take the old
+                states = [self.state[p] for p in t.keys]  # the new momenta take the old
                 self._scratch.swap(states, t.params, "momentum", "acc")  # ones' place
                 if proposal.commit is None:  # moved into the spares by the proposal
                     self._scratch.swap(states, t.params, "element", "spare")

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .amp import inverse_scale
+from .distributed import local
 from .prior import PriorHolding
 from .tensors import GroupTensors, Sample
 
@@ -31,7 +32,6 @@ class SampleHolding(PriorHolding):
         def draw(self, train: bool = True) -> Sample: ...
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
-        def _take_deferred(self, index: int) -> Deferred | None: ...
         def _accumulate(
             self,
             group: dict[str, Any],
@@ -85,7 +85,7 @@ class SampleHolding(PriorHolding):
         from and writes the new momenta into after it read ξ; and make ``t.noise`` hold the
         step's sample's noise, which that update reads and overwrites."""
         outs = [a.view(-1)[: b.numel()].view(b.shape) for a, b in zip(t.accs, t.noise, strict=True)]
-        xi = self.noise_source.sample(outs, group["base"], t.params, index)
+        xi = self.noise_source.sample(outs, group["base"], t.keys, index)
         if xi is not outs:  # windows of a noise table
             torch._foreach_copy_(outs, xi)
         if any(c is not n for c, n in zip(current, t.noise, strict=True)):
@@ -98,9 +98,10 @@ class SampleHolding(PriorHolding):
         noise in the noise buffers), or, when it did not (an eager step, a skipped one, a
         parameter without a sample), one is drawn now from the same generators' state."""
         if drawn_by_update:
+            keys = [p for t in drawn.values() for p in t.keys]
             params = [p for t in drawn.values() for p in t.params]
             noise = [n for t in drawn.values() for n in t.noise]
-            self._engine.resident = Sample(params, params, noise)
+            self._engine.resident = Sample(keys, params, noise)
             return
         if started:
             self.noise_source.load_state_dict(self._engine.resident_rng or {})
@@ -157,7 +158,9 @@ class SampleHolding(PriorHolding):
         engine = self._engine
         if engine.holding:
             raise RuntimeError(f"point_estimate() cannot be nested inside {engine.holding}()")
-        params = [p for group in self.param_groups for p in group["params"] if p in self.state]
+        params = [
+            local(p) for group in self.param_groups for p in group["params"] if p in self.state
+        ]
         kept = [p.detach().clone() for p in params]
         engine.holding = "point_estimate"
         try:
@@ -176,12 +179,12 @@ class SampleHolding(PriorHolding):
         if resident is None:
             yield
             return
-        kept = [t.clone() for t in resident.params], [n.clone() for n in resident.noise]
+        kept = [t.clone() for t in resident.theta], [n.clone() for n in resident.noise]
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_(resident.params, kept[0])
+                torch._foreach_copy_(resident.theta, kept[0])
                 torch._foreach_copy_(resident.noise, kept[1])
 
     def _end_step(self) -> None:
@@ -236,6 +239,21 @@ class SampleHolding(PriorHolding):
             f"({where}, e.g. gradient accumulation over micro-batches, Lightning's "
             f"accumulate_grad_batches): they would be mixed into the samples; {fix}"
         )
+
+    def _take_deferred(self, index: int) -> Deferred | None:
+        """Param group ``index``'s deferred sample, removed from the pending step; checked."""
+        deferred = self._engine.deferred.pop(index, None)
+        if deferred is not None and any(
+            g._version != v for g, v in zip(deferred.raw, deferred.versions, strict=True)
+        ):
+            self.discard()
+            raise RuntimeError(
+                "a gradient was changed in place before the optimizer read it (accumulate("
+                "defer=True), a sampled_params(train=True) block); the pending samples are "
+                "discarded: change gradients inside the block, or use between_steps='sample', "
+                "whose step() reads p.grad as it finds it"
+            )
+        return deferred
 
     def _accumulate_deferred(self) -> None:
         """Accumulate the deferred samples now."""

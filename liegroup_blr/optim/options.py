@@ -85,6 +85,8 @@ class EngineState:
             (``between_steps="sample"``).
         resident_rng: the noise generators' state from before the resident sample's draw.
         prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
+        unaveraged: with ``process_group``, whether the processes' gradients were seen to
+            differ (not averaged by DistributedDataParallel).
     """
 
     samples: int = 0
@@ -98,6 +100,7 @@ class EngineState:
     resident: Sample | None = None
     resident_rng: dict[str, Any] | None = None
     prior: Prior | None = None
+    unaveraged: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""

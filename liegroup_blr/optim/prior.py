@@ -94,6 +94,11 @@ class PriorHolding(GroupStateOptimizer):
                 do not match, a Dirac base (infinite KL), or a covered parameter whose param
                 group has ``prior_precision > 0``.
         """
+        if posterior is not None and self._mesh_param is not None:
+            raise NotImplementedError(
+                "set_prior: not with sharded (DTensor, FSDP2) parameters yet; train the next "
+                "task with DistributedDataParallel, or on one process"
+            )
         if posterior is None:
             self._engine.prior = None
             return

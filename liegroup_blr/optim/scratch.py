@@ -70,6 +70,11 @@ class Scratch:
         return out
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers held."""
+        return sum(b.nbytes for kept in self._buffers.values() for b in kept.values())
+
+    @property
     def kept_rows(self) -> int:
         """How many tensors' row views are kept."""
         return len(self._rows)

@@ -11,6 +11,7 @@ continues exactly like the original.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.optim import Optimizer
 from ..groups import LieGroup
 from ..noise import NoiseSource
 from .checks import check_hyperparameters
-from .distributed import SHARDED
+from .distributed import SHARDED, as_dtensor, check_sharded, local, shard_of
 from .options import EngineState
 from .scratch import Scratch, state_dtype
 from .tensors import GroupTensors
@@ -43,8 +44,11 @@ class GroupStateOptimizer(Optimizer):
     compile: bool
     grad_scaler: torch.amp.GradScaler | None
     noise_source: NoiseSource
+    process_group: Any
     _engine: EngineState
     _scratch: Scratch
+    _mesh_param: Tensor | None = None
+    """A sharded parameter, whose device mesh agrees on skips (``None``: no sharded one)."""
     groups_per_param_group = False
     """Whether a param group may set its own Lie group (key ``"group"``)."""
 
@@ -79,38 +83,46 @@ class GroupStateOptimizer(Optimizer):
         tensors = self._engine.tensors.get(index)
         if tensors is not None:
             return tensors
-        params = [p for p in group["params"] if p.requires_grad]
-        if not params:
+        keys = [p for p in group["params"] if p.requires_grad]
+        if not keys:
             return None
-        new = [p for p in params if "element" not in self.state.get(p, {})]
+        new = [p for p in keys if "element" not in self.state.get(p, {})]
         if new:
             self._init_states(group, new)
-        states = [self.state[p] for p in params]
+        states = [self.state[p] for p in keys]
+        params = [p._local_tensor if isinstance(p, SHARDED) else p for p in keys]
         G = self._group_of(group)
         shapes = {"acc": G.algebra_shape, "noise": G.base_shape}
         if self.compile:
             shapes["spare"] = G.element_shape
         accs, noise, *spares = self._scratch.take(params, **shapes)
         tensors = self._engine.tensors[index] = GroupTensors(
-            params,
-            [s["element"] for s in states],
-            [s["momentum"] for s in states],
-            accs,
-            noise,
-            spares[0] if spares else None,
-            self._scratch.rows,
-            self._point_mean(group),
+            keys=keys,
+            params=params,
+            elements=[s["element"] for s in states],
+            momenta=[s["momentum"] for s in states],
+            accs=accs,
+            noise=noise,
+            spares=spares[0] if spares else None,
+            rows=self._scratch.rows,
+            mean=self._point_mean(group),
         )
         return tensors
 
     @torch.no_grad()
     def _init_states(self, group: dict[str, Any], params: list[Tensor]) -> None:
         """Create the state of ``params`` (lazily, as torch.optim does); they then hold their
-        point estimate."""
+        point estimate. A sharded parameter's is one process's state of the whole parameter
+        (gathered), cut to its shard."""
         for p in params:
-            self.state[p] = self._init_state(group, p)
+            if isinstance(p, SHARDED):
+                full = self._init_state(group, p.full_tensor())
+                self.state[p] = {k: shard_of(v, p).clone() for k, v in full.items()}
+            else:
+                self.state[p] = self._init_state(group, p)
         elements = [self.state[p]["element"] for p in params]
-        self._write_point(group, params, elements, self._point_mean(group))
+        self._write_point(group, [local(p) for p in params], elements, self._point_mean(group))
+        self.noise_source.make_generators(params)  # before any draw: a state dict lists them
 
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps (here: the point estimates)."""
@@ -132,6 +144,7 @@ class GroupStateOptimizer(Optimizer):
             params = [p for p in group["params"] if (frozen or p.requires_grad) and p in self.state]
             if params:
                 elements = [self.state[p]["element"] for p in params]
+                params = [local(p) for p in params]
                 self._write_point(group, params, elements, self._point_mean(group))
 
     # ----------------------------------------------------------- param groups
@@ -161,11 +174,13 @@ class GroupStateOptimizer(Optimizer):
                 self.param_groups.pop()
                 raise ValueError(f"params: only floating-point parameters, got {p.dtype}")
             if isinstance(p, SHARDED):
-                self.param_groups.pop()
-                raise NotImplementedError(
-                    "params: sharded (DTensor, FSDP2 fully_shard) parameters are not supported "
-                    "yet; wrap the model in DistributedDataParallel, or pass process_group="
-                )
+                try:
+                    check_sharded(p, self._group_of(group), self.process_group)
+                except ValueError:
+                    self.param_groups.pop()
+                    raise
+                if self._mesh_param is None:
+                    self._mesh_param = p
         self._engine.tensors.clear()
         trained = [p for p in group["params"] if p.requires_grad]
         if trained:
@@ -173,17 +188,18 @@ class GroupStateOptimizer(Optimizer):
 
     # ------------------------------------------------------------ public API
     def group_element(self, p: Tensor) -> dict[str, Tensor]:
-        """Named components of ``p``'s current group element (detached copies):
-        ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative, ``{'A', 'b'}`` affine,
-        ``{'g'}`` for groups without named parts."""
+        """Named components of ``p``'s current group element (detached copies; of a sharded
+        parameter, its local shard's): ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative,
+        ``{'A', 'b'}`` affine, ``{'g'}`` for groups without named parts."""
         group = self._param_group(p)
         parts = self._group_of(group).parts(self.state[p]["element"])
         return {k: v.detach().clone() for k, v in parts.items()}
 
     @torch.no_grad()
     def set_group_element(self, p: Tensor, element: Tensor) -> None:
-        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``) and write the
-        new point estimate into ``p``; momentum is kept."""
+        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``; of a sharded
+        parameter, its local shard's) and write the new point estimate into ``p``; momentum
+        is kept."""
         group = self._param_group(p)
         if "element" not in self.state.get(p, {}):
             self._init_states(group, [p])
@@ -194,7 +210,7 @@ class GroupStateOptimizer(Optimizer):
         if not ok:
             raise ValueError(f"element: {reason}")
         state["element"].copy_(element)
-        self._write_point(group, [p], [state["element"]], self._point_mean(group))
+        self._write_point(group, [local(p)], [state["element"]], self._point_mean(group))
 
     def _describe(self, group: dict[str, Any]) -> str:
         """What a param group's state means: the rule and its Lie group."""
@@ -206,6 +222,13 @@ class GroupStateOptimizer(Optimizer):
             if any(q is p for q in group["params"]):
                 return group
         raise ValueError("p: not a parameter of this optimizer")
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this process holds: ``"state"`` (elements and momenta; of a sharded
+        parameter, its shard's), ``"scratch"`` (accumulators, noise and other per-step
+        buffers, made at the first step) and ``"noise"`` (noise tables, antithetic draws)."""
+        state = sum(t.nbytes for s in self.state.values() for t in s.values())
+        return {"state": state, "scratch": self._scratch.nbytes, "noise": self.noise_source.nbytes}
 
     @property
     def seed(self) -> int:
@@ -233,6 +256,10 @@ class GroupStateOptimizer(Optimizer):
             sd = super().state_dict()
         finally:
             self._optimizer_state_dict_post_hooks = post_hooks
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in enumerate(params):  # sharded like their parameters, for DCP
+            if isinstance(p, SHARDED) and i in sd["state"]:
+                sd["state"][i] = {k: as_dtensor(v, p) for k, v in sd["state"][i].items()}
         for group, live in zip(sd["param_groups"], self.param_groups, strict=True):
             group.pop("base", None)
             group.pop("group", None)
@@ -287,13 +314,25 @@ class GroupStateOptimizer(Optimizer):
         for i, p in zip(ids, params, strict=True):
             if i in saved:  # undo Optimizer's cast of state to the parameter dtype
                 self.state[p] = {
-                    k: v.to(device=p.device, dtype=state_dtype(p)) for k, v in saved[i].items()
+                    k: _shard(v, p).to(device=local(p).device, dtype=state_dtype(p))
+                    for k, v in saved[i].items()
                 }
         for group, construction in zip(self.param_groups, kept, strict=True):
             group.update(construction)
-        self.noise_source.load_state_dict(
-            {"seed": extras.get("seed", self.seed), "rng": extras.get("rng", {})}
-        )
+        if "rng" in extras:
+            self.noise_source.load_state_dict(
+                {"seed": extras.get("seed", self.seed), "rng": extras["rng"]}
+            )
+            self.noise_source.make_generators(list(self.state))
+        else:
+            warnings.warn(
+                "load_state_dict: no noise state ('rng'; torch.distributed.checkpoint's "
+                "get_optimizer_state_dict keeps only 'state' and 'param_groups'), so the noise "
+                "goes on from this optimizer's generators; checkpoint "
+                "liegroup_blr.optim.TrainingState(model, optimizer) to resume bit for bit",
+                UserWarning,
+                stacklevel=2,
+            )
         self._engine.skipped = int(extras.get("skipped_steps", 0))
         self._load_extra_state(extras)
         self._engine.end_step()  # a loaded state starts between steps
@@ -324,3 +363,12 @@ class GroupStateOptimizer(Optimizer):
         state.pop("step", None)  # an lr scheduler's wrapper: it would step the original
         state["process_group"] = None
         return state
+
+
+def _shard(state: Tensor, p: Tensor) -> Tensor:
+    """A saved state tensor as the optimizer keeps it: a sharded parameter's local shard (of a
+    DTensor, or cut from a whole tensor), else itself."""
+    if isinstance(state, SHARDED):
+        return local(state)
+    whole = isinstance(p, SHARDED) and state.shape[state.dim() - p.dim() :] == p.shape
+    return shard_of(state, p).clone() if whole else state

@@ -25,7 +25,9 @@ class GroupTensors:
     rule as plain lists, index i for parameter i.
 
     Attributes:
-        params: the trained parameters.
+        keys: the trained parameters (the optimizer's keys: their states, their gradients).
+        params: what the rule writes, the parameters themselves or, for sharded (DTensor)
+            ones, their local shards.
         elements: their group elements (state ``"element"``).
         momenta: their momenta (state ``"momentum"``).
         accs: accumulators of the algebra's shape; the proposal writes the new momenta
@@ -40,6 +42,7 @@ class GroupTensors:
             (``point_estimate="mean"``), else ``None``.
     """
 
+    keys: list[Tensor]
     params: list[Tensor]
     elements: list[Tensor]
     momenta: list[Tensor]
@@ -57,6 +60,7 @@ class GroupTensors:
 
         return replace(
             self,
+            keys=pick(self.keys),
             params=pick(self.params),
             elements=pick(self.elements),
             momenta=pick(self.momenta),
@@ -72,7 +76,8 @@ class Sample:
 
     Attributes:
         params: the sampled parameters (every trained parameter of every param group).
-        theta: their sampled values θ = readout(g·ξ) (after ``draw``, the parameters themselves).
+        theta: their sampled values θ = readout(g·ξ) (after ``draw``, the parameters themselves,
+            or their local shards).
         noise: per parameter, the draw as the rule accumulates it: ξ (additive, affine and
             generic rules) or the products w = g ⊙ ξ (multiplicative rule). Valid until the
             next draw, unless cloned.
