@@ -39,13 +39,12 @@ class Processes:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    parallel: str = "data"
 
     @property
     def main(self) -> bool:
         """Whether this process writes the run's files (rank 0)."""
         return self.rank == 0
-
-    parallel: str = "data"
 
     @property
     def group(self) -> object | None:

@@ -98,6 +98,8 @@ def test_fsdp_from_the_cli_equals_one_process(tmp_path: Path) -> None:
     for estimate in ("point", "average"):
         for key in ("accuracy", "nll", "ece", "brier"):
             assert two[estimate][key] == pytest.approx(one[estimate][key], rel=1e-5, abs=1e-7)
+        for kind, value in one["ood"].items():  # out-of-distribution inputs alike
+            assert two["ood"][kind][estimate] == pytest.approx(value[estimate], rel=1e-5)
     again = run(tmp_path, "fsdp", TABLE, "fsdp", 2, "--resume")  # each rank loads its shards
     for estimate in ("point", "average"):
         assert again[estimate] == two[estimate]
