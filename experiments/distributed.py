@@ -18,6 +18,7 @@ part of the state) is its own.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -194,6 +195,8 @@ def barrier(processes: Processes) -> None:
 
 
 def leave() -> None:
-    """Leave the process group, if this process joined one."""
+    """Leave the process group, if this process joined one; what holds it (FSDP2's modules,
+    device meshes) is collected first, or its threads may outlive it and abort the exit."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
