@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,23 +122,24 @@ def shard(model: nn.Module, processes: Processes) -> nn.Module:
     return model
 
 
+def _each_dtensor(state: Any, convert: Callable[[Any], Tensor]) -> Any:
+    """``state`` (nested dicts and lists) with ``convert`` applied to each DTensor."""
+    if isinstance(state, dict):
+        return {k: _each_dtensor(v, convert) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_each_dtensor(v, convert) for v in state]
+    return convert(state) if isinstance(state, SHARDED) else state
+
+
 def local_state(state: Any) -> Any:
     """A state dict with each DTensor replaced by this process's shard (what its own
     checkpoint file keeps)."""
-    if isinstance(state, dict):
-        return {k: local_state(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [local_state(v) for v in state]
-    return local(state) if isinstance(state, Tensor) else state
+    return _each_dtensor(state, local)
 
 
 def full_state(state: Any) -> Any:
     """A state dict with each DTensor gathered whole (a collective per DTensor)."""
-    if isinstance(state, dict):
-        return {k: full_state(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [full_state(v) for v in state]
-    return state.full_tensor() if isinstance(state, SHARDED) else state
+    return _each_dtensor(state, lambda t: t.full_tensor())
 
 
 @torch.no_grad()

@@ -425,10 +425,9 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
         run.scheduler.step()
         seconds = time.perf_counter() - tic
         _check_state(run, epoch)
-        if processes.sharded and not processes.main:  # the forward passes gather the shards
-            _epoch_row(run, test, epoch, lr, loss, seconds)
-        if processes.main:
+        if processes.main or processes.sharded:  # sharded: the forward passes gather
             row = _epoch_row(run, test, epoch, lr, loss, seconds)
+        if processes.main:
             if runfiles.nonfinite(row):
                 raise _diverged(epoch, f"non-finite test metrics {runfiles.nonfinite(row)}")
             history.append(row)

@@ -221,8 +221,7 @@ class NoiseSource:
             self.generator(_CPU)
             return
         for key in keys:
-            device = (key._local_tensor if isinstance(key, SHARDED) else key).device
-            self.generator(device, shard_name(key))
+            self.generator(key.device, shard_name(key))
 
     @staticmethod
     def _shard_window(table: NoiseTable, out: Tensor, key: Tensor, offset: int) -> Tensor:

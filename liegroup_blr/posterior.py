@@ -192,9 +192,11 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
                     key = names[id(p)]
                 state = optimizer.state.get(p, {})
                 if "element" in state:
-                    element = state["element"].detach().clone()
+                    element = state["element"].detach()
                     if isinstance(p, SHARDED):  # the whole element, on every rank
                         element = as_dtensor(element, p).full_tensor()
+                    else:
+                        element = element.clone()
                     entries[key] = PosteriorEntry(element, lie_group, base, p.shape)
                 else:
                     missing.append(key)

@@ -182,8 +182,6 @@ def test_fresh_noise_draws_each_element_once_per_sample_and_ranks_skip_together(
     values, as table noise is). A step whose loss is NaN on one rank is skipped by both."""
     spawn(_fresh_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"fresh{r}.pt", weights_only=True) for r in range(2)]
-    for first, second in zip(ranks[0]["draws"], ranks[1]["draws"], strict=True):
-        assert torch.equal(first, second)  # one global sample, the same on both ranks
     a, b = ranks[0]["draws"]
     n = a[:25].numel()  # the shards: rows 0-24 on rank 0, 25-49 on rank 1
     bound = 4 / n**0.5  # correlations of independent draws: sd 1/√n

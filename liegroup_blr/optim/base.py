@@ -22,7 +22,6 @@ of its module's functions with the param group's hyperparameters as keywords.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -37,10 +36,10 @@ from ..posterior import Posterior
 from .amp import inverse_scale, record_finite, scaler_step
 from .checks import check_choice, check_count
 from .distributed import (
-    SHARDED,
     agree,
     all_reduce_accumulators,
     broadcast_elements,
+    local,
     refuse_averaged,
     replicas,
     shared_seed,
@@ -129,8 +128,7 @@ class BLROptimizer(SampleHolding):
         self._scratch = Scratch()
         super().__init__(params, defaults)
         if process_group is not None or replicated is not None:
-            elements = [s["element"] for p, s in self.state.items() if not isinstance(p, SHARDED)]
-            broadcast_elements(elements, process_group if replicated is None else replicated)
+            broadcast_elements(self.state, process_group if replicated is None else replicated)
             self.restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
         if prior is not None:
@@ -225,7 +223,8 @@ class BLROptimizer(SampleHolding):
         if engine.deferred:
             self._accumulate_deferred()
         grads = [p.grad for p in sample.params] if grads is None else grads
-        grads = [g._local_tensor if isinstance(g, SHARDED) else g for g in grads]
+        if self._mesh_param is not None:  # sharded parameters' gradients: their local shards
+            grads = [None if g is None else local(g) for g in grads]
         at = {p: i for i, p in enumerate(sample.params)}
         for index, group in enumerate(self.param_groups):
             t = engine.tensors.get(index) or self._tensors(index, group)  # gathered by the draw
@@ -258,6 +257,21 @@ class BLROptimizer(SampleHolding):
             engine.pending.update(dict.fromkeys(p for p, h in zip(t.keys, has, strict=True) if h))
         engine.samples += 1
 
+    def _take_deferred(self, index: int) -> Deferred | None:
+        """Param group ``index``'s deferred sample, removed from the pending step; checked."""
+        deferred = self._engine.deferred.pop(index, None)
+        if deferred is not None and any(
+            g._version != v for g, v in zip(deferred.raw, deferred.versions, strict=True)
+        ):
+            self.discard()
+            raise RuntimeError(
+                "a gradient was changed in place before the optimizer read it (accumulate("
+                "defer=True), a sampled_params(train=True) block); the pending samples are "
+                "discarded: change gradients inside the block, or use between_steps='sample', "
+                "whose step() reads p.grad as it finds it"
+            )
+        return deferred
+
     def _fresh_gradients(self) -> list[Tensor]:
         """The gradients of trained parameters made or changed since the engine last looked,
         remembered now: by a weak reference (a new tensor where a freed one was is not
@@ -273,7 +287,7 @@ class BLROptimizer(SampleHolding):
                     continue
                 marks[p] = (_GONE if g is None else weakref.ref(g), version)  # type: ignore[assignment]
                 if g is not None and mark is not None:
-                    fresh.append(g._local_tensor if isinstance(g, SHARDED) else g)
+                    fresh.append(g)
         return fresh
 
     # ------------------------------------------------------------------- step
@@ -325,7 +339,9 @@ class BLROptimizer(SampleHolding):
         """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
         engine = self._engine
         fresh = self._fresh_gradients()
-        made_outside = bool(fresh) and bool(torch.stack([g.ne(0).any() for g in fresh]).any())
+        made_outside = bool(fresh) and bool(
+            torch.stack([local(g).ne(0).any() for g in fresh]).any()
+        )
         if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
             self._refuse_outside_gradients()
         losses = []
@@ -402,8 +418,11 @@ class BLROptimizer(SampleHolding):
                 else:
                     proposal.commit()
             engine.consecutive = 0
-        elif work:
-            self._skip()
+        elif work:  # a skip a GradScaler calibrating its scale expects is not warned of
+            expected = "found_inf" in vars(self) or bool(
+                self.grad_scaler and self.grad_scaler.is_enabled()
+            )
+            engine.skip(type(self).__name__, expected, self.max_consecutive_skips)
         if self.grad_scaler is not None:
             record_finite(self.grad_scaler, moved or not work)
         engine.end_step()
@@ -413,27 +432,6 @@ class BLROptimizer(SampleHolding):
         self.noise_source.end_step()
         if len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
             self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
-
-    def _skip(self) -> None:
-        """Count a skipped step; unless a GradScaler is calibrating its scale (a skip it
-        expects), warn and raise after ``max_consecutive_skips`` in a row."""
-        engine = self._engine
-        engine.skipped += 1
-        if "found_inf" in vars(self) or (self.grad_scaler and self.grad_scaler.is_enabled()):
-            return
-        engine.consecutive += 1
-        row = engine.consecutive
-        warnings.warn(
-            f"{type(self).__name__}: non-finite loss, gradient or element; step skipped, "
-            f"optimizer state unchanged ({row} in a row, {engine.skipped} in all)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        if self.max_consecutive_skips is not None and row >= self.max_consecutive_skips:
-            raise FloatingPointError(
-                f"{type(self).__name__}: {row} consecutive steps skipped for non-finite values "
-                "(max_consecutive_skips): the run has diverged; lower the learning rate"
-            )
 
 
 class _Gone:

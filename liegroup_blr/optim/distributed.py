@@ -84,11 +84,13 @@ def shared_seed(seed: int | None, process_group: Any, replicated: Any = None) ->
     return box[0]
 
 
-def broadcast_elements(elements: list[Tensor], process_group: Any) -> None:
-    """Give every process rank 0's elements, in place."""
+def broadcast_elements(state: dict[Tensor, dict[str, Tensor]], process_group: Any) -> None:
+    """Give every process rank 0's elements of the parameters in ``state``, in place (those of
+    sharded parameters are one process's already, cut to each shard)."""
     src = dist.get_global_rank(process_group, 0)
-    for element in elements:
-        dist.broadcast(element, src=src, group=process_group)
+    for p, s in state.items():
+        if not isinstance(p, SHARDED):
+            dist.broadcast(s["element"], src=src, group=process_group)
 
 
 def all_reduce_accumulators(
@@ -171,7 +173,7 @@ def check_sharded(p: Any, group: Any, process_group: Any) -> None:
 def agree(ok: bool, p: Any) -> bool:
     """Whether ``ok`` holds on every rank of the sharded parameter ``p``'s device mesh (one
     all-reduce per mesh dimension): every rank takes or skips a step together."""
-    flag = torch.tensor(float(ok), device=local(p).device)
+    flag = torch.tensor(float(ok), device=p.device)
     for dim in range(p.device_mesh.ndim):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=p.device_mesh.get_group(dim))
     return bool(flag.item())

@@ -32,6 +32,7 @@ class SampleHolding(PriorHolding):
         def draw(self, train: bool = True) -> Sample: ...
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
+        def _take_deferred(self, index: int) -> Deferred | None: ...
         def _accumulate(
             self,
             group: dict[str, Any],
@@ -239,21 +240,6 @@ class SampleHolding(PriorHolding):
             f"({where}, e.g. gradient accumulation over micro-batches, Lightning's "
             f"accumulate_grad_batches): they would be mixed into the samples; {fix}"
         )
-
-    def _take_deferred(self, index: int) -> Deferred | None:
-        """Param group ``index``'s deferred sample, removed from the pending step; checked."""
-        deferred = self._engine.deferred.pop(index, None)
-        if deferred is not None and any(
-            g._version != v for g, v in zip(deferred.raw, deferred.versions, strict=True)
-        ):
-            self.discard()
-            raise RuntimeError(
-                "a gradient was changed in place before the optimizer read it (accumulate("
-                "defer=True), a sampled_params(train=True) block); the pending samples are "
-                "discarded: change gradients inside the block, or use between_steps='sample', "
-                "whose step() reads p.grad as it finds it"
-            )
-        return deferred
 
     def _accumulate_deferred(self) -> None:
         """Accumulate the deferred samples now."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -105,6 +106,27 @@ class EngineState:
     def __getstate__(self) -> dict[str, Any]:
         """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""
         return {**self.__dict__, "marks": {}}
+
+    def skip(self, name: str, expected: bool, limit: int | None) -> None:
+        """Count a step of optimizer ``name`` skipped for non-finite values; unless the skip
+        was ``expected`` (a GradScaler calibrating its scale), warn, and raise after ``limit``
+        in a row (``max_consecutive_skips``)."""
+        self.skipped += 1
+        if expected:
+            return
+        self.consecutive += 1
+        row = self.consecutive
+        warnings.warn(
+            f"{name}: non-finite loss, gradient or element; step skipped, optimizer state "
+            f"unchanged ({row} in a row, {self.skipped} in all)",
+            RuntimeWarning,
+            stacklevel=6,  # skip, _update, step, no_grad, the step hook: the caller
+        )
+        if limit is not None and row >= limit:
+            raise FloatingPointError(
+                f"{name}: {row} consecutive steps skipped for non-finite values "
+                "(max_consecutive_skips): the run has diverged; lower the learning rate"
+            )
 
     def end_step(self) -> None:
         """Forget the step's samples and tensors."""

@@ -90,7 +90,7 @@ class GroupStateOptimizer(Optimizer):
         if new:
             self._init_states(group, new)
         states = [self.state[p] for p in keys]
-        params = [p._local_tensor if isinstance(p, SHARDED) else p for p in keys]
+        params = keys if self._mesh_param is None else [local(p) for p in keys]
         G = self._group_of(group)
         shapes = {"acc": G.algebra_shape, "noise": G.base_shape}
         if self.compile:
@@ -314,7 +314,7 @@ class GroupStateOptimizer(Optimizer):
         for i, p in zip(ids, params, strict=True):
             if i in saved:  # undo Optimizer's cast of state to the parameter dtype
                 self.state[p] = {
-                    k: _shard(v, p).to(device=local(p).device, dtype=state_dtype(p))
+                    k: local(v).to(device=p.device, dtype=state_dtype(p))
                     for k, v in saved[i].items()
                 }
         for group, construction in zip(self.param_groups, kept, strict=True):
@@ -363,12 +363,3 @@ class GroupStateOptimizer(Optimizer):
         state.pop("step", None)  # an lr scheduler's wrapper: it would step the original
         state["process_group"] = None
         return state
-
-
-def _shard(state: Tensor, p: Tensor) -> Tensor:
-    """A saved state tensor as the optimizer keeps it: a sharded parameter's local shard (of a
-    DTensor, or cut from a whole tensor), else itself."""
-    if isinstance(state, SHARDED):
-        return local(state)
-    whole = isinstance(p, SHARDED) and state.shape[state.dim() - p.dim() :] == p.shape
-    return shard_of(state, p).clone() if whole else state
