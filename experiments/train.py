@@ -434,7 +434,10 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
         save_checkpoint(run, epoch + 1, ckpt, history)
         if processes.main:
             runfiles.write_jsonl(out / METRICS, history)
-    model, optimizer = _gathered(run) if processes.sharded else (run.model, run.optimizer)
+    model, optimizer = run.model, run.optimizer
+    if processes.sharded:  # the last collectives: every process's are done before one leaves
+        model, optimizer = _gathered(run)
+        distributed.barrier(processes)
     if not processes.main:
         return {}
     tic = time.perf_counter()

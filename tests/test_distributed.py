@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributions import Normal
 from torch.nn.parallel import DistributedDataParallel
 
 import liegroup_blr as lgb
 
+from .processes import spawn
 from .test_optim import make_problem
 
 STEPS = 4
@@ -30,43 +30,38 @@ def batch_for(x, y, rank, mode):
     return x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
 
 
-def _worker(rank: int, world: int, folder: str, mode: str) -> None:
-    init = f"file://{folder}/init"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        torch.manual_seed(100 + rank)  # the model and noise must not depend on this
-        model, x, y = make_problem()
-        if rank == 1:  # a different local initialisation: rank 0's state is broadcast
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1.0)
-        opt = make_opt(model.parameters(), process_group=dist.group.WORLD)
-        generator_state = opt.noise_source.generator(CPU).get_state()
-        xb, yb = batch_for(x, y, rank, mode)
-        for _ in range(STEPS):
+def _worker(rank: int, folder: str, mode: str) -> None:
+    torch.manual_seed(100 + rank)  # the model and noise must not depend on this
+    model, x, y = make_problem()
+    if rank == 1:  # a different local initialisation: rank 0's state is broadcast
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = make_opt(model.parameters(), process_group=dist.group.WORLD)
+    generator_state = opt.noise_source.generator(CPU).get_state()
+    xb, yb = batch_for(x, y, rank, mode)
+    for _ in range(STEPS):
 
-            def closure():
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(model(xb), yb)
-                loss.backward()
-                return loss
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+            return loss
 
-            opt.step(closure)
-        torch.save(
-            {
-                "generator": generator_state,
-                "params": [p.detach() for p in model.parameters()],
-                "states": [opt.state[p] for p in model.parameters()],
-            },
-            f"{folder}/rank{rank}.pt",
-        )
-    finally:
-        dist.destroy_process_group()
+        opt.step(closure)
+    torch.save(
+        {
+            "generator": generator_state,
+            "params": [p.detach() for p in model.parameters()],
+            "states": [opt.state[p] for p in model.parameters()],
+        },
+        f"{folder}/rank{rank}.pt",
+    )
 
 
 @pytest.mark.parametrize("mode", ["data", "mc"])
 def test_two_processes_equal_one_process_with_their_samples_and_noise(tmp_path, mode):
-    mp.spawn(_worker, args=(2, str(tmp_path), mode), nprocs=2, join=True)
+    spawn(_worker, tmp_path, mode)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     # group state identical on every process
     for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
@@ -115,36 +110,30 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> None:
         opt.step(closure)
 
 
-def _ddp_worker(rank: int, world: int, folder: str) -> None:
+def _ddp_worker(rank: int, folder: str) -> None:
     """What a DDP script does: a seed per rank, the model wrapped, the optimizer built on
     every rank without process_group, each rank half of every batch."""
-    dist.init_process_group(
-        "gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world
-    )
+    out = {}
+    for name, make in DDP_RULES.items():
+        torch.manual_seed(rank)
+        model, x, y = make_problem()
+        if rank == 1:  # DDP broadcasts rank 0's parameters when it wraps the model
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        ddp = DistributedDataParallel(model)
+        opt = make(ddp.parameters())
+        _train(ddp, opt, *batch_for(x, y, rank, "data"))
+        out[name] = [p.detach().clone() for p in model.parameters()]
     try:
-        out = {}
-        for name, make in DDP_RULES.items():
-            torch.manual_seed(rank)
-            model, x, y = make_problem()
-            if rank == 1:  # DDP broadcasts rank 0's parameters when it wraps the model
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(1.0)
-            ddp = DistributedDataParallel(model)
-            opt = make(ddp.parameters())
-            _train(ddp, opt, *batch_for(x, y, rank, "data"))
-            out[name] = [p.detach().clone() for p in model.parameters()]
-        try:
-            DDP_RULES["affine"](model.parameters(), seed=rank)
-        except ValueError as error:
-            out["refused"] = str(error)
-        torch.save(out, f"{folder}/ddp{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        DDP_RULES["affine"](model.parameters(), seed=rank)
+    except ValueError as error:
+        out["refused"] = str(error)
+    torch.save(out, f"{folder}/ddp{rank}.pt")
 
 
 def test_ddp_ranks_seeded_apart_train_as_one_process_on_the_global_batch(tmp_path):
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_ddp_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"ddp{r}.pt", weights_only=True) for r in range(2)]
     for name, make in DDP_RULES.items():
         for a, b in zip(ranks[0][name], ranks[1][name], strict=True):

@@ -4,20 +4,20 @@ checkpoints resume bit for bit."""
 
 from __future__ import annotations
 
-import gc
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributions import Normal
 
 import liegroup_blr as lgb
 from liegroup_blr.groups import DiagonalAffineGroup
 from liegroup_blr.optim import TrainingState
+
+from .processes import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed")
 
@@ -85,19 +85,6 @@ def elements(opt, model):
     """The whole group elements (gathered from the shards), by name."""
     post = lgb.Posterior.from_optimizer(opt, model)
     return {name: post[name].element for name in post}
-
-
-def spawn(worker, folder):
-    """Run ``worker(rank, folder)`` on 2 gloo processes."""
-    mp.spawn(_joined, args=(worker.__name__, str(folder)), nprocs=2, join=True)
-
-
-def _joined(rank, name, folder):
-    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
-    globals()[name](rank, folder)
-    gc.collect()  # DDP's reducer and DCP's writers go before the process group does
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _sharded(make, rank, **kw):
