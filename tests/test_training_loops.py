@@ -197,10 +197,15 @@ def test_after_restore_in_sample_mode_a_closure_free_step_refuses_and_a_closure_
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), point, strict=True))
     with pytest.raises(RuntimeError, match="after restore"):
         plain_step(opt, model, x, y)
-    with pytest.raises(RuntimeError, match="at the point estimate"):  # those gradients
-        opt.step(closure_for(opt, model, x, y))
-    opt.zero_grad()
-    opt.step(closure_for(opt, model, x, y))  # draws a sample for its closure
+
+    def adding():  # a closure that adds to those gradients instead of zeroing them
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="at the point estimate"):
+        opt.step(adding)
+    opt.step(closure_for(opt, model, x, y))  # zeroes them: draws a sample for its closure
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), point, strict=True))
     plain_step(opt, model, x, y)  # and holds one again
 
@@ -256,9 +261,18 @@ def test_gradients_accumulated_at_the_point_estimate_are_refused_with_a_closure(
 def test_gradient_accumulation_with_several_samples_is_refused_in_sample_mode(kind):
     model, x, y = make_problem()
     opt = FACTORIES[kind](model.parameters(), seed=0, mc_samples=2, between_steps="sample")
+    before = snapshot(opt, model)
     nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+
+    def closure():  # micro-batch 2 added to micro-batch 1's gradients
+        loss = nn.functional.cross_entropy(model(x[16:]), y[16:])
+        loss.backward()
+        return loss
+
     with pytest.raises(RuntimeError, match="set mc_samples=1"):
-        opt.step(closure_for(opt, model, x, y))
+        opt.step(closure)
+    states, held = snapshot(opt, model)[1], before[1]  # a fresh sample is held again
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(states, held, strict=True) for k in a)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -282,25 +296,33 @@ def test_a_closure_that_makes_no_gradient_takes_no_sample(kind):
     torch.testing.assert_close(states, ref_states, rtol=1e-12, atol=1e-14)
 
 
-def test_closure_zeroing_gradients_after_outside_ones_is_still_refused_before_it_runs():
-    """Gradients at the point estimate are refused before the closure runs: whether the closure
-    zeroes them cannot be known in advance (zero_grad(set_to_none=False) and accumulation both
-    bump the version counter)."""
-    model, x, y = make_problem()
-    opt = lgb.AdditiveBLR(model.parameters(), lr=0.1)
-    nn.functional.cross_entropy(model(x), y).backward()
-    calls = []
+@pytest.mark.parametrize("zero", ["optimizer", "optimizer, to zero", "model"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closure_that_zeroes_gradients_made_outside_steps_as_if_they_were_never_made(kind, zero):
+    """PyTorch's own idiom, ``loss = closure(); optimizer.step(closure)``: the first call
+    leaves gradients at the point estimate, the closure zeroes them before its backward, so
+    nothing is mixed. On the old main it was refused before the closure ran."""
+    runs = []
+    for outside in (False, True):
+        model, x, y = make_problem()
+        opt = FACTORIES[kind](model.parameters(), seed=2, mc_samples=2)
 
-    def closure():
-        calls.append(1)
-        return closure_for(opt, model, x, y)()
+        def closure():
+            if zero == "model":
+                model.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=zero == "optimizer")
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
 
-    with pytest.raises(RuntimeError, match="computed outside step"):
-        opt.step(closure)
-    assert not calls
-    opt.zero_grad()  # gradients set to None: nothing to mix any more
-    opt.step(closure)
-    assert calls == [1]
+        for _ in range(2):
+            if outside:
+                initial = closure()  # the idiom's first call, outside the step
+                assert initial.requires_grad
+            opt.step(closure)
+        runs.append(snapshot(opt, model))
+    assert_equal(runs[1], runs[0])
 
 
 # ------------------------------------------------------------------------ AMP

@@ -79,6 +79,12 @@ class DiagonalAffineGroup(LieGroup):
         theta = theta.detach()
         return torch.stack((torch.full_like(theta, scale), theta))
 
+    def with_point(self, g: Tensor, theta: Tensor, xi0: Tensor | None = None) -> Tensor:
+        """``(A, θ − A ⊙ ξ₀)``: the scale A, the posterior's spread, is kept."""
+        theta = theta.detach()
+        b = theta.clone() if xi0 is None else torch.addcmul(theta, g[0], xi0, value=-1)
+        return torch.stack((g[0], b))
+
     def parts(self, g: Tensor) -> dict[str, Tensor]:
         return {"A": g[0], "b": g[1]}
 

@@ -120,6 +120,18 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         """An element whose point estimate is ``theta`` (used to initialise from a network)."""
         raise NotImplementedError(f"{type(self).__name__} does not define from_point")
 
+    def with_point(self, g: Tensor, theta: Tensor, xi0: Tensor | None = None) -> Tensor:
+        r"""An element :math:`g'` whose point estimate :math:`\operatorname{readout}(g' \cdot
+        \xi_0)` is ``theta``, keeping what it can of ``g``'s spread: how the optimizers adopt a
+        value written into a parameter outside them (a loaded checkpoint, a weight
+        constraint) as the posterior's new location. ``xi0`` defaults to
+        :meth:`reference_point`.
+
+        A group without it cannot take such a write: the optimizers then refuse it in one line
+        naming ``set_group_element``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define with_point")
+
     def parts(self, g: Tensor) -> dict[str, Tensor]:
         """Named components of an element, e.g. ``{'A': ..., 'b': ...}``."""
         return {"g": g}

@@ -114,6 +114,12 @@ class FullAffineGroup(LieGroup):
         theta = theta.detach().reshape(-1)
         return self.pack(scale * torch.eye(len(theta), dtype=theta.dtype), theta.clone())
 
+    def with_point(self, g: Tensor, theta: Tensor, xi0: Tensor | None = None) -> Tensor:
+        """``(L, θ − Lξ₀)``: the factor L, the posterior's covariance, is kept."""
+        L, _ = self.matrices(g)
+        b = theta.detach().reshape(-1)
+        return self.pack(L, b if xi0 is None else b - L @ xi0.reshape(-1))
+
     def parts(self, g: Tensor) -> dict[str, Tensor]:
         L, b = self.matrices(g)
         return {"L": L, "b": b}

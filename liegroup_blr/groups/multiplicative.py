@@ -91,6 +91,36 @@ class MultiplicativeGroup(LieGroup):
             raise ValueError("theta: an unsigned multiplicative element must be positive")
         return theta.clone()
 
+    def with_point(
+        self, g: Tensor, theta: Tensor, xi0: Tensor | None = None, *, offset: float = 1e-5
+    ) -> Tensor:
+        r"""An element with point estimate θ = readout(g'·ξ₀), ξ₀ the same in both parts
+        (1 or E[ξ]), so that w = θ/ξ₀ is :math:`g'^+ - g'^-`.
+
+        Signed: the spread :math:`s^2 = g^{+2} + g^{-2}` (θ's variance is
+        :math:`\operatorname{Var}\xi\, s^2`) is kept where it can be, :math:`w^2 < s^2`:
+        the smaller part is :math:`(s^2 - w^2)/(|w| + \sqrt{2s^2 - w^2})` and the larger
+        exceeds it by :math:`|w|`. Where :math:`w^2 \ge s^2` no positive pair has that spread;
+        the nearest one, :math:`g'^\pm = \max(\pm w, 0) + \text{offset}`, is taken (as
+        :meth:`from_point` makes it). Unsigned: g' = w where w > 0, else ``offset`` (a θ ≤ 0
+        is no positive scaling's point estimate)."""
+        theta = theta.detach()
+        if xi0 is not None:
+            if self.signed and not torch.equal(xi0[0], xi0[1]):
+                raise ValueError("xi0: the signed group's point needs one ξ₀ for both parts")
+            theta = theta / (xi0[0] if self.signed else xi0)
+        if not self.signed:
+            return clamp_positive_(torch.where(theta > 0, theta, offset))
+        wide = torch.float64  # s² of elements near float32's max overflows float32
+        w, s2 = theta.to(wide), g.to(wide).square().sum(0)
+        smaller = (s2 - w * w) / (w.abs() + (2 * s2 - w * w).clamp(min=0).sqrt())
+        larger = smaller + w.abs()
+        up = w >= 0
+        kept = torch.stack((torch.where(up, larger, smaller), torch.where(up, smaller, larger)))
+        nearest = torch.stack((w.clamp(min=0), (-w).clamp(min=0))) + offset
+        ok = (w * w < s2) & torch.isfinite(smaller)
+        return clamp_positive_(torch.where(ok, kept, nearest).to(g.dtype))
+
     def parts(self, g: Tensor) -> dict[str, Tensor]:
         return {"g+": g[0], "g-": g[1]} if self.signed else {"g": g}
 

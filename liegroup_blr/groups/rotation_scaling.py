@@ -97,6 +97,17 @@ class RotationScalingGroup(LieGroup):
             raise ValueError("theta: every pair must be non-zero to be a rotation-scaling")
         return g.clone()
 
+    def with_point(self, g: Tensor, theta: Tensor, xi0: Tensor | None = None) -> Tensor:
+        """z = θ / ξ₀ per pair (complex division; z fixes location and spread alike, so
+        nothing of g is kept); a zero pair becomes the smallest non-zero z, as :meth:`projx`
+        makes it."""
+        if xi0 is None:
+            xi0 = self.reference_point(self.param_shape(g.shape), dtype=g.dtype, device=g.device)
+        (t1, t2), (x1, x2) = _pairs(theta.detach()), _pairs(xi0)
+        r2 = x1**2 + x2**2
+        z = torch.stack(((t1 * x1 + t2 * x2) / r2, (t2 * x1 - t1 * x2) / r2))
+        return self.projx(z)
+
     def parts(self, g: Tensor) -> dict[str, Tensor]:
         return {"re": g[0], "im": g[1]}
 

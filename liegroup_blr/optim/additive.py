@@ -108,6 +108,9 @@ class AdditiveBLR(BLROptimizer):
         additive_draw(t.elements, xi, t.params)
         return xi
 
+    def _sample_value(self, group, elements, noise, out) -> None:
+        additive_draw(elements, noise, out)
+
     def _accumulate(self, group, t, noise, grads, first) -> None:
         additive_accumulate(t.accs, grads, first=first)
 
@@ -218,9 +221,8 @@ def additive_update(
         new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta, offset=c)
         moved = additive_move(g, new, lr)
         if draw:  # ξ' read from the accumulator before the new momentum is written there
-            xi = acc.clone()
-            p.copy_(moved + xi)
-            noise[i].copy_(xi)
+            noise[i].copy_(acc)  # (through a clone, inductor read acc after its overwrite)
+            p.copy_(moved + noise[i])
         else:
             p.copy_(additive_readout(moved, mean))
         acc.copy_(new)

@@ -159,6 +159,9 @@ class AffineBLR(BLROptimizer):
         affine_draw(t.elements, xi, t.params)
         return xi
 
+    def _sample_value(self, group, elements, noise, out) -> None:
+        affine_draw(elements, noise, out)
+
     def _accumulate(self, group, t, noise, grads, first) -> None:
         affine_accumulate(t.accs, noise, grads, first=first)
 

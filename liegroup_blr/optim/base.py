@@ -22,6 +22,7 @@ of its module's functions with the param group's hyperparameters as keywords.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -40,14 +41,16 @@ from .distributed import (
     all_reduce_accumulators,
     broadcast_elements,
     local,
+    local_grad,
     refuse_averaged,
     replicas,
     shared_seed,
 )
 from .holding import SampleHolding
 from .options import EngineState
+from .outside import GONE, Foreign, mark_writes, take_writes
 from .scratch import Scratch
-from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads, all_finite
+from .tensors import Deferred, GroupTensors, Proposal, Sample, all_finite
 
 __all__ = ["BLROptimizer"]
 
@@ -129,47 +132,13 @@ class BLROptimizer(SampleHolding):
         super().__init__(params, defaults)
         if process_group is not None or replicated is not None:
             broadcast_elements(self.state, process_group if replicated is None else replicated)
-            self.restore()
+            self._restore()
         self._fresh_gradients()  # gradients from before construction are nobody's sample
         if prior is not None:
             self.set_prior(prior)
         if between_steps == "sample":
             self._draw_resident()
-
-    # ------------------------------------------------------------ the rule's part
-    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
-        """``t.params ← readout(g·ξ)``; returns the sample's noise as the accumulation reads
-        it (:attr:`Sample.noise`). ``xi`` may be read-only views of a noise table."""
-        raise NotImplementedError
-
-    def _accumulate(
-        self,
-        group: dict[str, Any],
-        t: GroupTensors,
-        noise: list[Tensor],
-        grads: list[Tensor],
-        first: bool,
-    ) -> None:
-        """Add one sample's algebra gradient to ``t.accs`` (``first``: overwrite them)."""
-        raise NotImplementedError
-
-    def _propose(
-        self,
-        group: dict[str, Any],
-        t: GroupTensors,
-        n: int,
-        sample: SampleGrads | None,
-        prior: list[Tensor] | None,
-        draw: bool,
-    ) -> Proposal | None:
-        """The update from the accumulators (n samples) and the deferred ``sample`` (its
-        noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
-        prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
-        entropy's when the optimizer has a prior; ``None`` rejects the step. With ``draw``
-        (a compiled one-sample step, ``between_steps="sample"``; the next sample's ξ' is in
-        the accumulators) the update writes the next sample θ = readout(g'·ξ') into the
-        parameters and its noise into ``t.noise`` instead of the point estimate."""
-        raise NotImplementedError
+        mark_writes(self)
 
     # --------------------------------------------------------- sample protocol
     @torch.no_grad()
@@ -177,8 +146,17 @@ class BLROptimizer(SampleHolding):
         """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
 
         With ``train=True`` the sample is one of the next step's (antithetic pairing counts
-        it); pass the result to :meth:`accumulate` once its gradients are known.
+        it); pass the result to :meth:`accumulate` once its gradients are known. Drawn for
+        prediction (``train=False``), ξ comes from the optimizer's prediction generators.
         """
+        take_writes(self)
+        sample = self._draw_sample(train)
+        mark_writes(self)
+        return sample
+
+    @torch.no_grad()
+    def _draw_sample(self, train: bool) -> Sample:
+        """:meth:`draw`, inside the optimizer's own calls."""
         if self._engine.deferred:  # the draw rewrites the noise a deferred sample reads
             self._accumulate_deferred()
         self.noise_source.start_sample(train)
@@ -224,7 +202,8 @@ class BLROptimizer(SampleHolding):
             self._accumulate_deferred()
         grads = [p.grad for p in sample.params] if grads is None else grads
         if self._mesh_param is not None:  # sharded parameters' gradients: their local shards
-            grads = [None if g is None else local(g) for g in grads]
+            pairs = zip(grads, sample.params, strict=True)
+            grads = [None if g is None else local_grad(g, p) for g, p in pairs]
         at = {p: i for i, p in enumerate(sample.params)}
         for index, group in enumerate(self.param_groups):
             t = engine.tensors.get(index) or self._tensors(index, group)  # gathered by the draw
@@ -242,11 +221,13 @@ class BLROptimizer(SampleHolding):
                 part = t if all(keep) else t.subset(keep)
                 rows = [i for i, k in zip(idx, keep, strict=True) if k]
                 raw = cast(list[Tensor], [grads[i] for i in rows])
-                decay = None
-                if group["prior_precision"]:  # (δ/N)θ while θ is the sample's
+                decay, rate = None, group.get("weight_decay", 0.0)
+                if group["prior_precision"]:
+                    rate += group["prior_precision"] / group["data_size"]
+                if rate:  # (δ/N)θ while θ is the sample's
                     (decay,) = self._scratch.take(part.params, grad=torch.Size)
                     torch._foreach_copy_(decay, [sample.theta[i] for i in rows])
-                    torch._foreach_mul_(decay, group["prior_precision"] / group["data_size"])
+                    torch._foreach_mul_(decay, rate)
                 deferred = Deferred(part, [sample.noise[i] for i in rows], raw, decay, first)
                 if defer:
                     deferred.versions = [g._version for g in raw]
@@ -273,10 +254,11 @@ class BLROptimizer(SampleHolding):
         return deferred
 
     def _fresh_gradients(self) -> list[Tensor]:
-        """The gradients of trained parameters made or changed since the engine last looked,
-        remembered now: by a weak reference (a new tensor where a freed one was is not
-        taken for it) and the version counter (every in-place change bumps it). A parameter
-        the engine never looked at (added later, or in a copy) is only remembered."""
+        """The trained parameters whose gradients were made or changed since the engine last
+        looked, remembered now: by a weak reference (a new tensor where a freed one was is
+        not taken for it) and the version counter (every in-place change bumps it). A
+        parameter the engine never looked at (added later, or in a copy) is only
+        remembered."""
         marks, fresh = self._engine.marks, []
         for group in self.param_groups:
             for p in group["params"]:
@@ -285,9 +267,9 @@ class BLROptimizer(SampleHolding):
                 mark = marks.get(p)
                 if not p.requires_grad or (mark and mark[0]() is g and mark[1] == version):
                     continue
-                marks[p] = (_GONE if g is None else weakref.ref(g), version)  # type: ignore[assignment]
+                marks[p] = (GONE if g is None else weakref.ref(g), version)  # type: ignore[assignment]
                 if g is not None and mark is not None:
-                    fresh.append(g)
+                    fresh.append(p)
         return fresh
 
     # ------------------------------------------------------------------- step
@@ -305,8 +287,8 @@ class BLROptimizer(SampleHolding):
                 sample.
 
         Returns:
-            the mean closure loss over samples (``None`` without a closure or when the
-            closure returns ``None``).
+            the closure's value, as it returned it (with ``mc_samples > 1``: the mean of its
+            values at the samples taken; ``None`` without a closure).
 
         A non-finite loss or algebra gradient skips the update with a ``RuntimeWarning``:
         group elements and momenta are left exactly as they were (``skipped_steps`` counts).
@@ -318,7 +300,11 @@ class BLROptimizer(SampleHolding):
         engine = self._engine
         if engine.holding:
             raise RuntimeError(f"step() cannot be called inside {engine.holding}()")
-        inv_scale, found_inf = scaler_step(self, closure)
+        take_writes(self)
+        if self.grad_scaler is None and not {"grad_scale", "found_inf"} & vars(self).keys():
+            inv_scale, found_inf = 1.0, False  # no GradScaler anywhere
+        else:
+            inv_scale, found_inf = scaler_step(self, closure)
         loss = None
         if closure is not None:
             loss = self._closure_samples(closure)
@@ -331,34 +317,48 @@ class BLROptimizer(SampleHolding):
                 "torch.optim does (Hugging Face Trainer, accelerate, gradient accumulation), "
                 "construct the optimizer with between_steps='sample'"
             )
-        finite = loss is None or bool(torch.isfinite(torch.as_tensor(loss)).all())
+        finite = not isinstance(loss, (Tensor, float)) or bool(
+            torch.as_tensor(loss).isfinite().all()
+        )
         self._update(finite and not found_inf, inv_scale)
+        mark_writes(self)
         return loss
 
     def _closure_samples(self, closure: Callable[[], Any]) -> Any:
-        """Call ``closure`` at ``mc_samples`` samples and accumulate each; the mean loss."""
+        """Call ``closure`` at ``mc_samples`` samples and accumulate each; its value (one
+        sample) or the mean of its values at the samples taken."""
         engine = self._engine
         fresh = self._fresh_gradients()
         made_outside = bool(fresh) and bool(
-            torch.stack([local(g).ne(0).any() for g in fresh]).any()
+            torch.stack([local(p.grad).ne(0).any() for p in fresh]).any()  # type: ignore[arg-type]
         )
-        if made_outside:  # in sample mode with one sample: the parameters' sample's gradients
-            self._refuse_outside_gradients()
-        losses = []
+        foreign = None  # gradients found before the closure that it must clear
+        if made_outside and not self._outside_allowed():
+            foreign, made_outside = Foreign(fresh), False
+        values, losses = [], []
         try:
             for s in range(self.mc_samples):
                 rng = self.noise_source.state_dict() if engine.samples else None
-                sample = engine.resident if s == 0 and engine.resident else self.draw(train=True)
+                sample = engine.resident if s == 0 and engine.resident else self._draw_sample(True)
                 with torch.enable_grad():
-                    value = closure()
+                    values.append(closure())
+                if foreign is not None:
+                    added, foreign = foreign.added_to(), None
+                    if added:
+                        self._refuse_outside_gradients()
                 if self._fresh_gradients() or (s == 0 and made_outside):
                     self._accumulate_sample(sample, None, defer=True)
+                    value = values[-1]
                     losses.append(value.detach() if isinstance(value, Tensor) else value)
                 elif rng is not None:  # a closure that made no gradient takes no sample (a
                     self.noise_source.load_state_dict(rng)  # do-nothing one after blocks)
         except BaseException:
+            if foreign is not None:
+                foreign.added_to()  # its hooks removed
             self.discard()
             raise
+        if self.mc_samples == 1:
+            return values[0]
         return sum(losses) / len(losses) if losses and None not in losses else None
 
     def _update(self, finite: bool, inv_scale: float) -> None:
@@ -371,6 +371,14 @@ class BLROptimizer(SampleHolding):
             keep = [p.requires_grad and p in engine.pending for p in t.keys]
             if any(keep):
                 work.append((index, self.param_groups[index], t if all(keep) else t.subset(keep)))
+        if not work and engine.tensors and not engine.warned:
+            engine.warned = True
+            warnings.warn(
+                f"{type(self).__name__}.step(): no trained parameter has a gradient, so the "
+                "step changed nothing (does the closure call loss.backward()?)",
+                UserWarning,
+                stacklevel=5,
+            )
         n = engine.samples
         if self.process_group is not None:
             if not engine.unaveraged:  # a DDP-wrapped model: refused
@@ -392,7 +400,7 @@ class BLROptimizer(SampleHolding):
                 grads = deferred.raw
                 if deferred.decay is not None or inv_scale != 1.0:
                     grads = deferred.gradients(inv_scale, self._scratch)
-                if deferred.first and (deferred.tensors is t or _same(deferred.tensors, t)):
+                if deferred.first and (deferred.tensors is t or deferred.tensors.holds(t)):
                     sample = deferred.noise, grads  # the step's one sample
                 else:  # e.g. a parameter frozen between accumulate and step
                     self._accumulate(group, deferred.tensors, deferred.noise, grads, deferred.first)
@@ -432,15 +440,3 @@ class BLROptimizer(SampleHolding):
         self.noise_source.end_step()
         if len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work):
             self._restore_unmoved(drawn, [t for _, _, t in work] if moved else [])
-
-
-class _Gone:
-    """Weak references to a missing gradient point here: nowhere."""
-
-
-_GONE = weakref.ref(_Gone())
-
-
-def _same(a: GroupTensors, b: GroupTensors) -> bool:
-    """Whether ``a`` and ``b`` hold the same parameters."""
-    return a is b or [id(p) for p in a.params] == [id(p) for p in b.params]

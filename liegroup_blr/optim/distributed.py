@@ -35,6 +35,7 @@ __all__ = [
     "broadcast_elements",
     "check_sharded",
     "local",
+    "local_grad",
     "refuse_averaged",
     "replicas",
     "shard_of",
@@ -119,6 +120,15 @@ def all_reduce_accumulators(
 def local(t: Tensor) -> Tensor:
     """A DTensor's local shard (the tensor itself, no copy); any other tensor unchanged."""
     return t._local_tensor if isinstance(t, SHARDED) else t
+
+
+def local_grad(grad: Any, p: Any) -> Tensor:
+    """The local shard of a sharded parameter ``p``'s gradient, redistributed to ``p``'s
+    placements first where they differ (a replicated bias added to a sharded product gets
+    a sharded gradient)."""
+    if isinstance(grad, SHARDED) and tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return local(grad)
 
 
 def shard_of(full: Tensor, p: Any) -> Tensor:

@@ -144,9 +144,6 @@ class LieGroupBLR(BLROptimizer):
         super()._validate(options)
         check_preconditioner(self.preconditioner, G)
 
-    def _group_of(self, group: dict[str, Any]) -> LieGroup:
-        return group.get("group", self.lie_group)
-
     def _describe(self, group: dict[str, Any]) -> str:
         spec = self.preconditioner
         kind = getattr(spec, "__qualname__", None) if callable(spec) else spec
@@ -167,6 +164,9 @@ class LieGroupBLR(BLROptimizer):
     def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
         generic_draw(self._group_of(group), t.elements, xi, t.params)
         return xi
+
+    def _sample_value(self, group, elements, noise, out) -> None:
+        generic_draw(self._group_of(group), elements, noise, out)
 
     def _accumulate(self, group, t, noise, grads, first) -> None:
         generic_accumulate(self._group_of(group), t.accs, t.elements, noise, grads, first=first)
@@ -197,13 +197,6 @@ class LieGroupBLR(BLROptimizer):
         G = self._group_of(group)
         points = [self._reference(group, p, mean) for p in params]
         generic_readout_(G, params, elements, points)
-
-    def _reference(self, group: dict[str, Any], p: Tensor, mean: float | None) -> Tensor:
-        """ξ₀ at which the point estimate is read: E[ξ] when ``mean`` is given."""
-        G, dtype = self._group_of(group), state_dtype(p)
-        if mean is not None:
-            return torch.full(G.base_shape(p.shape), mean, dtype=dtype, device=p.device)
-        return G.reference_point(p.shape, dtype=dtype, device=p.device)
 
     def _entropy_gradient(self, group: dict[str, Any], p: Tensor) -> Tensor:
         r""":math:`\nabla_X \log|\det J_{g \exp X}|` at 0, the same for every g: the Jacobian of

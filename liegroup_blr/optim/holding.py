@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .amp import inverse_scale
 from .distributed import local
+from .outside import mark_writes, take_writes
 from .prior import PriorHolding
 from .tensors import GroupTensors, Sample
 
@@ -29,7 +30,7 @@ class SampleHolding(PriorHolding):
 
     if TYPE_CHECKING:  # the sampling engine's, in BLROptimizer
 
-        def draw(self, train: bool = True) -> Sample: ...
+        def _draw_sample(self, train: bool) -> Sample: ...
         def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
         def _fresh_gradients(self) -> list[Tensor]: ...
         def _take_deferred(self, index: int) -> Deferred | None: ...
@@ -55,6 +56,7 @@ class SampleHolding(PriorHolding):
         self._end_step()
         self._fresh_gradients()
         self._between_steps()
+        mark_writes(self)
 
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps: the point estimates, or
@@ -62,7 +64,7 @@ class SampleHolding(PriorHolding):
         if self.between_steps == "sample":
             self._draw_resident()
         else:
-            self.restore()
+            self._restore()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``GroupStateOptimizer.add_param_group``; with ``between_steps="sample"`` every
@@ -70,6 +72,7 @@ class SampleHolding(PriorHolding):
         super().add_param_group(param_group)
         if self._engine.resident is not None:
             self._draw_resident()
+        mark_writes(self)
 
     def _start_next_sample(self) -> None:
         """Open the next training sample before the update that draws it (a compiled update
@@ -114,7 +117,7 @@ class SampleHolding(PriorHolding):
         generators' state from before it, so a state dict redraws it bit for bit."""
         engine = self._engine
         engine.resident_rng = self.noise_source.state_dict()
-        engine.resident = self.draw(train=True)
+        engine.resident = self._draw_sample(True)
         engine.tensors.clear()  # parameters may be frozen before the step
 
     @contextmanager
@@ -136,10 +139,11 @@ class SampleHolding(PriorHolding):
                 "sampled_params(train=True) with between_steps='sample': the parameters "
                 "already hold a training sample; run forward and backward, then step()"
             )
+        take_writes(self)
         engine.holding = "sampled_params"
         try:
             with self._holding_resident():
-                sample = self.draw(train)
+                sample = self._draw_sample(train)
                 yield
                 if train:
                     self.accumulate(sample, defer=True)
@@ -149,6 +153,7 @@ class SampleHolding(PriorHolding):
                 engine.tensors.clear()  # parameters may be frozen before the next step
             if self.between_steps == "point" or engine.resident is None:
                 self._write_points()
+            mark_writes(self)
 
     @contextmanager
     def point_estimate(self) -> Iterator[None]:
@@ -159,6 +164,7 @@ class SampleHolding(PriorHolding):
         engine = self._engine
         if engine.holding:
             raise RuntimeError(f"point_estimate() cannot be nested inside {engine.holding}()")
+        take_writes(self)
         params = [
             local(p) for group in self.param_groups for p in group["params"] if p in self.state
         ]
@@ -171,6 +177,7 @@ class SampleHolding(PriorHolding):
             engine.holding = ""
             with torch.no_grad():
                 torch._foreach_copy_(params, kept)
+            mark_writes(self)
 
     @contextmanager
     def _holding_resident(self) -> Iterator[None]:
@@ -219,26 +226,32 @@ class SampleHolding(PriorHolding):
             )
         self.accumulate(self._engine.resident, defer=True)
 
-    def _refuse_outside_gradients(self) -> None:
-        """Gradients were made outside ``step(closure)`` since the last update: at the point
-        estimate, or, with several samples, only at the first."""
+    def _outside_allowed(self) -> bool:
+        """Whether gradients made outside ``step(closure)`` since the last update are the
+        step's own: those of the parameters' sample (``between_steps="sample"``, one sample),
+        which the closure adds to or starts afresh."""
         at_point = self.between_steps == "point" or self._engine.resident is None  # restore()
-        if not at_point and self.mc_samples == 1:
-            return  # the parameters' sample: the closure adds to it or starts it afresh
+        return not at_point and self.mc_samples == 1
+
+    def _refuse_outside_gradients(self) -> None:
+        """Gradients made outside ``step(closure)`` since the last update (at the point
+        estimate, or, with several samples, only at the first) were added to by the closure."""
+        at_point = self.between_steps == "point" or self._engine.resident is None
         where = "at the point estimate" if at_point else "at one sample"
         fix = (
             "construct the optimizer with between_steps='sample' and mc_samples=1"
             if self.between_steps == "point"
             else "set mc_samples=1"
             if not at_point
-            else "zero the gradients before step(closure), or hold the point estimate with "
-            "`with optimizer.point_estimate():` instead of restore()"
+            else "hold the point estimate with `with optimizer.point_estimate():` instead of "
+            "restore()"
         )
         self.discard()
         raise RuntimeError(
             f"step(closure) found gradients computed outside step() since the last update "
-            f"({where}, e.g. gradient accumulation over micro-batches, Lightning's "
-            f"accumulate_grad_batches): they would be mixed into the samples; {fix}"
+            f"({where}) and the closure added to them (gradient accumulation over "
+            f"micro-batches, Lightning's accumulate_grad_batches): they would be mixed into "
+            f"the samples; zero them in the closure, or {fix}"
         )
 
     def _accumulate_deferred(self) -> None:

@@ -163,6 +163,12 @@ class MultiplicativeBLR(BLROptimizer):
         multiplicative_draw(t.elements, xi, t.params, t.noise, signed=self.signed)
         return t.noise
 
+    def _sample_value(self, group, elements, noise, out) -> None:
+        multiplicative_readout_(out, noise, mean=None, signed=self.signed)  # noise: w = g ⊙ ξ
+
+    def _with_point(self, group, g, theta, xi0) -> Tensor:
+        return self.lie_group.with_point(g, theta, xi0, offset=group["init_offset"])
+
     def _accumulate(self, group, t, noise, grads, first) -> None:
         multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 

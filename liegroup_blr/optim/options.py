@@ -88,6 +88,10 @@ class EngineState:
         prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
         unaveraged: with ``process_group``, whether the processes' gradients were seen to
             differ (not averaged by DistributedDataParallel).
+        written: each trained parameter's version counter and storage pointer as the
+            optimizer last left them, to tell writes made outside it
+            (:mod:`~liegroup_blr.optim.outside`).
+        warned: whether a step that found no gradient has been warned of.
     """
 
     samples: int = 0
@@ -102,10 +106,13 @@ class EngineState:
     resident_rng: dict[str, Any] | None = None
     prior: Prior | None = None
     unaveraged: bool = False
+    written: dict[Tensor, tuple[int, int]] = field(default_factory=dict)
+    warned: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""
-        return {**self.__dict__, "marks": {}}
+        """A copy forgets the gradients and writes it saw (weak references neither copy nor
+        pickle; a copy's parameters are other tensors)."""
+        return {**self.__dict__, "marks": {}, "written": {}}
 
     def skip(self, name: str, expected: bool, limit: int | None) -> None:
         """Count a step of optimizer ``name`` skipped for non-finite values; unless the skip

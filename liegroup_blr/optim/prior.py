@@ -23,6 +23,7 @@ from ..fisher import entropy_gradient
 from ..kl import kl_gradient
 from ..posterior import Posterior
 from ..posterior_io import describe_base
+from .outside import take_writes
 from .scratch import state_dtype
 from .state import GroupStateOptimizer
 from .tensors import GroupTensors
@@ -80,7 +81,9 @@ class PriorHolding(GroupStateOptimizer):
     def posterior(self, model: nn.Module | None = None) -> Posterior:
         """The current posterior, detached from the optimizer
         (:meth:`liegroup_blr.Posterior.from_optimizer`): keyed by ``model``'s parameter names
-        when given, else by position in the order of the param groups."""
+        when given, else by position in the order of the param groups. A value written into
+        a parameter since the optimizer's last call is adopted first."""
+        take_writes(self)
         return Posterior.from_optimizer(self, model)
 
     def set_prior(self, posterior: Posterior | None, model: nn.Module | None = None) -> None:
@@ -125,11 +128,12 @@ class PriorHolding(GroupStateOptimizer):
                 raise ValueError(
                     f"{where} has shape {tuple(entry.shape)}, the parameter {tuple(p.shape)}"
                 )
-            if group["prior_precision"]:
-                raise ValueError(
-                    f"prior_precision: {group['prior_precision']} with a prior for entry {key!r}: "
-                    "the prior replaces the N(0, 1/δ) prior; set prior_precision=0"
-                )
+            for name in ("prior_precision", "weight_decay"):
+                if group.get(name):
+                    raise ValueError(
+                        f"{name}: {group[name]} with a prior for entry {key!r}: the prior "
+                        f"replaces the N(0, 1/δ) prior; set {name}=0"
+                    )
             elements[p] = entry.element.detach().to(p.device, state_dtype(p), copy=True)
         self._engine.prior = Prior(elements, kl_samples=self.mc_samples)
 
@@ -204,6 +208,8 @@ class PriorHolding(GroupStateOptimizer):
         for group in self.param_groups:
             group["data_size"] = data_size
             group["prior_precision"] = 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
             self._validate(group)
         posterior = self.posterior()
         self.set_prior(posterior)

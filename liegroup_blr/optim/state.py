@@ -11,8 +11,6 @@ continues exactly like the original.
 
 from __future__ import annotations
 
-import warnings
-from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -21,11 +19,13 @@ from torch.optim import Optimizer
 
 from ..groups import LieGroup
 from ..noise import NoiseSource
-from .checks import check_hyperparameters
+from . import statedicts
+from .checks import check_hyperparameters, check_number
 from .distributed import SHARDED, as_dtensor, check_sharded, local, shard_of
 from .options import EngineState
+from .outside import mark_writes, take_writes
 from .scratch import Scratch, state_dtype
-from .tensors import GroupTensors
+from .tensors import GroupTensors, Proposal, SampleGrads
 
 __all__ = ["GroupStateOptimizer", "state_dtype"]
 
@@ -52,6 +52,40 @@ class GroupStateOptimizer(Optimizer):
     groups_per_param_group = False
     """Whether a param group may set its own Lie group (key ``"group"``)."""
 
+    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        """``t.params ← readout(g·ξ)``; returns the sample's noise as the accumulation reads
+        it (:attr:`Sample.noise`). ``xi`` may be read-only views of a noise table."""
+        raise NotImplementedError
+
+    def _accumulate(
+        self,
+        group: dict[str, Any],
+        t: GroupTensors,
+        noise: list[Tensor],
+        grads: list[Tensor],
+        first: bool,
+    ) -> None:
+        """Add one sample's algebra gradient to ``t.accs`` (``first``: overwrite them)."""
+        raise NotImplementedError
+
+    def _propose(
+        self,
+        group: dict[str, Any],
+        t: GroupTensors,
+        n: int,
+        sample: SampleGrads | None,
+        prior: list[Tensor] | None,
+        draw: bool,
+    ) -> Proposal | None:
+        """The update from the accumulators (n samples) and the deferred ``sample`` (its
+        noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
+        prior's part of the algebra gradient, (τ/N)∇KL(q ‖ prior) per tensor, in place of the
+        entropy's when the optimizer has a prior; ``None`` rejects the step. With ``draw``
+        (a compiled one-sample step, ``between_steps="sample"``; the next sample's ξ' is in
+        the accumulators) the update writes the next sample θ = readout(g'·ξ') into the
+        parameters and its noise into ``t.noise`` instead of the point estimate."""
+        raise NotImplementedError
+
     def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         """Initial ``{"element", "momentum"}`` of ``p`` (state dtype, p's device)."""
         raise NotImplementedError
@@ -67,14 +101,46 @@ class GroupStateOptimizer(Optimizer):
         is not ``None``)."""
         raise NotImplementedError
 
+    def _sample_value(
+        self,
+        group: dict[str, Any],
+        elements: list[Tensor],
+        noise: list[Tensor],
+        out: list[Tensor],
+    ) -> None:
+        """``out ← θ`` of a sample with the given ``noise`` (:attr:`Sample.noise`), computed as
+        :meth:`_draw` computes it (to compare with what the parameters hold)."""
+        raise NotImplementedError
+
     def _point_mean(self, group: dict[str, Any]) -> float | None:
         """E[ξ] under ``point_estimate="mean"``, else ``None``."""
         return float(group["base"].mean) if self.point_convention == "mean" else None
 
+    def _reference(self, group: dict[str, Any], p: Tensor, mean: float | None) -> Tensor:
+        """ξ₀ at which the point estimate of ``p`` is read: E[ξ] when ``mean`` is given."""
+        G, dtype = self._group_of(group), state_dtype(p)
+        if mean is not None:
+            return torch.full(G.base_shape(p.shape), mean, dtype=dtype, device=p.device)
+        return G.reference_point(p.shape, dtype=dtype, device=p.device)
+
+    def _with_point(self, group: dict[str, Any], g: Tensor, theta: Tensor, xi0: Tensor) -> Tensor:
+        """The element with point estimate ``theta`` read at ``xi0``, from ``g``
+        (:meth:`~liegroup_blr.groups.LieGroup.with_point`); a group without it refused."""
+        G = self._group_of(group)
+        try:
+            return G.with_point(g, theta, xi0)
+        except NotImplementedError:
+            raise RuntimeError(
+                f"params: a parameter of {type(self).__name__} was written outside the "
+                f"optimizer, and {type(G).__name__} has no with_point(g, theta) to adopt the "
+                "value as the posterior's location: set the element with "
+                "optimizer.set_group_element(p, element), or define with_point"
+            ) from None
+
     # ------------------------------------------------------------- the tensors
     def _group_of(self, group: dict[str, Any]) -> LieGroup:
-        """The Lie group of a param group."""
-        return self.lie_group
+        """The Lie group of a param group (its own ``"group"``, where the rule allows one)."""
+        return group.get("group", self.lie_group)
 
     def _tensors(self, index: int, group: dict[str, Any]) -> GroupTensors | None:
         """The tensors of param group ``index`` (its trained parameters'), gathered once per
@@ -91,7 +157,7 @@ class GroupStateOptimizer(Optimizer):
             self._init_states(group, new)
         states = [self.state[p] for p in keys]
         params = keys if self._mesh_param is None else [local(p) for p in keys]
-        G = self._group_of(group)
+        G = group.get("group", self.lie_group)  # _group_of, inline: once per step
         shapes = {"acc": G.algebra_shape, "noise": G.base_shape}
         if self.compile:
             shapes["spare"] = G.element_shape
@@ -105,7 +171,7 @@ class GroupStateOptimizer(Optimizer):
             noise=noise,
             spares=spares[0] if spares else None,
             rows=self._scratch.rows,
-            mean=self._point_mean(group),
+            mean=float(group["base"].mean) if self.point_convention == "mean" else None,
         )
         return tensors
 
@@ -126,13 +192,20 @@ class GroupStateOptimizer(Optimizer):
 
     def _between_steps(self) -> None:
         """Write what the parameters hold between steps (here: the point estimates)."""
-        self.restore()
+        self._restore()
 
     def restore(self, frozen: bool = False) -> None:
         """Write the point estimate into every trained parameter (``frozen``: also into those
         frozen since they were trained). With ``between_steps="sample"`` the parameters then
         hold no training sample: the next ``step(closure)`` draws one, and a closure-free
-        ``step()`` refuses (its gradients would be the point estimate's)."""
+        ``step()`` refuses (its gradients would be the point estimate's). A value written into
+        a parameter since the optimizer's last call is adopted first: it is the point."""
+        take_writes(self)
+        self._restore(frozen)
+        mark_writes(self)
+
+    def _restore(self, frozen: bool = False) -> None:
+        """:meth:`restore`, inside the optimizer's own calls."""
         self._write_points(frozen)
         self._engine.resident = None
 
@@ -155,6 +228,8 @@ class GroupStateOptimizer(Optimizer):
                 f"group: {type(self).__name__} has a fixed Lie group; use "
                 "liegroup_blr.LieGroupBLR for a Lie group per param group"
             )
+        if "weight_decay" in options:  # Hugging Face's groups carry one
+            check_number(options, "weight_decay", 0.0)
         check_hyperparameters(
             options,
             options.get("group", self.lie_group),
@@ -188,22 +263,29 @@ class GroupStateOptimizer(Optimizer):
 
     # ------------------------------------------------------------ public API
     def group_element(self, p: Tensor) -> dict[str, Tensor]:
-        """Named components of ``p``'s current group element (detached copies; of a sharded
-        parameter, its local shard's): ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative,
-        ``{'A', 'b'}`` affine, ``{'g'}`` for groups without named parts."""
+        """Named components of ``p``'s current group element (detached copies):
+        ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative, ``{'A', 'b'}`` affine, ``{'g'}``
+        for groups without named parts. Of a sharded parameter, DTensors placed as ``p``
+        (a stacked component keeps ``p``'s placements shifted past its leading axis)."""
+        take_writes(self)
         group = self._param_group(p)
         parts = self._group_of(group).parts(self.state[p]["element"])
+        if isinstance(p, SHARDED):
+            return {k: as_dtensor(v.detach().clone(), p) for k, v in parts.items()}
         return {k: v.detach().clone() for k, v in parts.items()}
 
     @torch.no_grad()
     def set_group_element(self, p: Tensor, element: Tensor) -> None:
-        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``; of a sharded
-        parameter, its local shard's) and write the new point estimate into ``p``; momentum
-        is kept."""
+        """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``: of a sharded
+        parameter, a DTensor as :meth:`group_element` places its parts, or its local shard)
+        and write the new point estimate into ``p``; momentum is kept."""
         group = self._param_group(p)
         if "element" not in self.state.get(p, {}):
             self._init_states(group, [p])
         state = self.state[p]
+        if isinstance(element, SHARDED):  # placed as group_element places it: its local shard
+            placed = as_dtensor(state["element"], p)
+            element = local(element.redistribute(placed.device_mesh, placed.placements))
         if element.shape != state["element"].shape:
             raise ValueError(f"element: expected shape {tuple(state['element'].shape)}")
         ok, reason = self._group_of(group).check_element(element)
@@ -211,6 +293,7 @@ class GroupStateOptimizer(Optimizer):
             raise ValueError(f"element: {reason}")
         state["element"].copy_(element)
         self._write_point(group, [local(p)], [state["element"]], self._point_mean(group))
+        mark_writes(self)
 
     def _describe(self, group: dict[str, Any]) -> str:
         """What a param group's state means: the rule and its Lie group."""
@@ -242,112 +325,20 @@ class GroupStateOptimizer(Optimizer):
 
     # ------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer state, plus the noise generators' states and the skip count.
+        """Optimizer state, plus the noise generators' states (training and prediction draws)
+        and the skip count (:func:`~liegroup_blr.optim.statedicts.save`).
 
         Base distributions (and per-group Lie groups) belong to the construction, like the
         parameters: they are left out (so the dict loads with ``torch.load(weights_only=True)``)
         and :meth:`load_state_dict` keeps those the optimizer was built with.
         """
-        if self._engine.holding == "sampled_params" or self._engine.samples:
-            raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
-        post_hooks = self._optimizer_state_dict_post_hooks
-        self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
-        try:
-            sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_post_hooks = post_hooks
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in enumerate(params):  # sharded like their parameters, for DCP
-            if isinstance(p, SHARDED) and i in sd["state"]:
-                sd["state"][i] = {k: as_dtensor(v, p) for k, v in sd["state"][i].items()}
-        for group, live in zip(sd["param_groups"], self.param_groups, strict=True):
-            group.pop("base", None)
-            group.pop("group", None)
-            group["rule"] = self._describe(live)
-        now = self.noise_source.state_dict()
-        noise = self._engine.resident_rng or now  # before the parameters' sample, if any
-        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
-        sd["predict_rng"] = now["predict_rng"]  # prediction draws: as they are now
-        sd["skipped_steps"] = self._engine.skipped
-        sd.update(self._extra_state())
-        for hook in post_hooks.values():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
+        return statedicts.save(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (after the load pre-hooks, as torch.optim does):
         states, hyperparameters, noise generators; the parameters then hold the loaded point
         estimate. Group state stays in float32 for half-precision parameters."""
-        state_dict = state_dict.copy()
-        hooks = self._optimizer_load_state_dict_pre_hooks
-        for hook in hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        keys = ("rng", "predict_rng", "seed", "skipped_steps", *self._extra_state_keys)
-        extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
-        for i, (saved_group, live) in enumerate(
-            zip(state_dict["param_groups"], self.param_groups, strict=False)
-        ):
-            if saved_group.get("rule", self._describe(live)) != self._describe(live):
-                raise ValueError(
-                    f"state_dict: param group {i} was saved by {saved_group['rule']!r}, "
-                    f"this optimizer's is {self._describe(live)!r}"
-                )
-        state_dict["param_groups"] = [
-            {k: v for k, v in g.items() if k != "rule"} for g in state_dict["param_groups"]
-        ]
-        kept: list[dict[str, Any]] = [
-            {k: g[k] for k in ("base", "group") if k in g} for g in self.param_groups
-        ]
-        post_hooks = self._optimizer_load_state_dict_post_hooks
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # applied above
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run once loaded
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self._optimizer_load_state_dict_pre_hooks = hooks
-            self._optimizer_load_state_dict_post_hooks = post_hooks
-        saved = state_dict["state"]
-        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for i, p in zip(ids, params, strict=True):
-            if i in saved:  # undo Optimizer's cast of state to the parameter dtype
-                self.state[p] = {
-                    k: local(v).to(device=p.device, dtype=state_dtype(p))
-                    for k, v in saved[i].items()
-                }
-        for group, construction in zip(self.param_groups, kept, strict=True):
-            group.update(construction)
-        if "rng" in extras:
-            self.noise_source.load_state_dict(
-                {
-                    "seed": extras.get("seed", self.seed),
-                    "rng": extras["rng"],
-                    "predict_rng": extras.get("predict_rng", {}),
-                }
-            )
-            self.noise_source.make_generators(list(self.state))
-        else:
-            warnings.warn(
-                "load_state_dict: no noise state ('rng'; torch.distributed.checkpoint's "
-                "get_optimizer_state_dict keeps only 'state' and 'param_groups'), so the noise "
-                "goes on from this optimizer's generators; checkpoint "
-                "liegroup_blr.optim.TrainingState(model, optimizer) to resume bit for bit",
-                UserWarning,
-                stacklevel=2,
-            )
-        self._engine.skipped = int(extras.get("skipped_steps", 0))
-        self._load_extra_state(extras)
-        self._engine.end_step()  # a loaded state starts between steps
-        self._scratch.clear()
-        self.noise_source.end_step()
-        self._upgrade(self.param_groups)
-        self._between_steps()  # the point estimate, or the saved sample drawn again
-        for post_hook in post_hooks.values():
-            post_hook(self)
+        statedicts.load(self, state_dict)
 
     _extra_state_keys: tuple[str, ...] = ()
     """Top-level state-dict entries of a subclass (:meth:`_extra_state`)."""

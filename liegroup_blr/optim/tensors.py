@@ -52,6 +52,10 @@ class GroupTensors:
     rows: Callable[[list[Tensor], bool], list[Rows]]
     mean: float | None
 
+    def holds(self, other: GroupTensors) -> bool:
+        """Whether ``other`` holds the same parameters."""
+        return self is other or [id(p) for p in self.params] == [id(p) for p in other.params]
+
     def subset(self, keep: list[bool]) -> GroupTensors:
         """The tensors of the parameters where ``keep`` is true."""
 
