@@ -153,3 +153,22 @@ def test_public_name_is_in_the_api_reference(module, name):
             f"{m}.{name}" for m in MODULES if getattr(importlib.import_module(m), name, None) is obj
         }
     assert names & _documented(), f"{module}.{name} is missing from docs/api/"
+
+
+ROOT = DOCS.parent
+CITED = ("README.md", "CHANGELOG.md", "docs", "experiments", "liegroup_blr", "tests")
+
+
+def test_nothing_cites_the_design_notes_outside_the_repository():
+    """The design notes are not in the repository: the docs pages hold what is cited."""
+    name = "DESIGN" + ".md"  # not spelt out here, or this file would cite it
+    files = [ROOT / c for c in CITED if (ROOT / c).is_file()]
+    files += [
+        p
+        for c in CITED
+        if (ROOT / c).is_dir()
+        for p in (ROOT / c).rglob("*")
+        if p.suffix in (".py", ".md", ".toml", ".rst") and "_build" not in p.parts
+    ]
+    citing = [p.relative_to(ROOT).as_posix() for p in files if name in p.read_text("utf-8")]
+    assert len(files) > 50 and not citing, citing

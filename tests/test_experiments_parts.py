@@ -60,6 +60,7 @@ def test_missing_dataset_names_folder_and_files(
         data.load_dataset(name, tmp_path)
     message = str(err.value)
     assert str(tmp_path / folder) in message and some_file in message
+    assert message.endswith(f"Set [data] root to the folder that holds {folder}/.")
 
 
 def test_incomplete_cifar_folder_lists_the_missing_files(tmp_path: Path) -> None:
