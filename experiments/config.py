@@ -333,3 +333,9 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a table of settings, got {type(raw).__name__}")
     return raw
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.config", __doc__, ("train", "compare", "tune")))

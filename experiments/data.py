@@ -280,7 +280,10 @@ def load_tinyimagenet(root: Path) -> Dataset:
     """
     folder = root / "tiny-imagenet-200"
     _require(
-        "tinyimagenet", root, folder.name, ["wnids.txt", "train", "val/images", "val/val_annotations.txt"]
+        "tinyimagenet",
+        root,
+        folder.name,
+        ["wnids.txt", "train", "val/images", "val/val_annotations.txt"],
     )
     classes = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())
     index = {wnid: i for i, wnid in enumerate(classes)}
@@ -406,3 +409,9 @@ def test_batches(
         )
         for i in range(0, len(data.test_y), batch_size)
     ]
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.data", __doc__, ("train", "compare")))

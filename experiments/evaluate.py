@@ -175,3 +175,9 @@ def plot_first_layer(
             part = parts[key].reshape(filters.shape)
             figures.filter_grid(part[top], paths[-1], title, signed=False)
     return paths
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.evaluate", __doc__, ("train", "compare")))

@@ -296,3 +296,9 @@ def average_accuracy(curves: Mapping[str, Mapping[str, np.ndarray]], path: Path)
     ax.legend(loc="lower left", fontsize="small")
     fig.tight_layout()
     _save(fig, path)
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.figures", __doc__, ("train", "compare")))

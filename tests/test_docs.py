@@ -89,7 +89,7 @@ def test_public_module_declares_all(module):
 
 @pytest.mark.parametrize("page", EXAMPLE_PAGES, ids=_page_id)
 def test_page_examples_run(page, one_thread, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # anything an example writes lands in a scratch folder
+    monkeypatch.chdir(tmp_path)  # a reader runs the examples in a folder of their own
     torch.manual_seed(0)
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for line, code in python_blocks(page):
@@ -97,6 +97,8 @@ def test_page_examples_run(page, one_thread, tmp_path, monkeypatch):
         code = "\n".join(row[indent:] for row in code.splitlines())
         source = "\n" * (line - 1) + code  # tracebacks show the page's own line numbers
         exec(compile(source, str(page), "exec"), namespace)
+    litter = sorted(p.name for p in tmp_path.iterdir())
+    assert not litter, f"the examples wrote {litter} into the current folder: name a folder"
 
 
 def _attribute_docstrings(module: str) -> dict[str, str]:

@@ -1,11 +1,16 @@
-"""Data loading, augmentation, models, sparsity measures and the schedule of the drivers."""
+"""Data loading, augmentation, models, sparsity measures and the schedule of the drivers;
+the command lines of the helper modules and the benchmarks."""
 
 from __future__ import annotations
 
 import gzip
 import math
 import pickle
+import runpy
 import struct
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -305,7 +310,7 @@ def test_lr_factor_by_hand() -> None:
 
 
 # ------------------------------------------------------------------------ benchmarks
-@pytest.mark.parametrize("module", ["step_time", "scale"])
+@pytest.mark.parametrize("module", ["step_time", "scale", "scale_out"])
 def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) -> None:
     """The benchmarks run only by hand; their imports of the library's kernels and their
     command lines are checked here (``--help`` exits before any timing)."""
@@ -316,4 +321,56 @@ def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) 
     with pytest.raises(SystemExit) as exit_:
         bench.main()
     assert exit_.value.code == 0
-    assert "--rounds" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert help_text.startswith(f"usage: python -m experiments.benchmarks.{module} ")
+    assert "--rounds" in help_text
+
+
+# --------------------------------------------------------------- helper modules' commands
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+HELPERS = sorted(
+    p.stem
+    for p in EXPERIMENTS.glob("*.py")
+    if p.stem != "__init__" and "def main(" not in p.read_text(encoding="utf-8")
+)
+
+
+def test_the_helper_modules_are_the_modules_without_a_command() -> None:
+    assert {"cli", "config", "data", "evaluate", "figures", "runfiles", "streams"} <= set(HELPERS)
+    assert not {"train", "compare", "tune", "continual", "memory_map"} & set(HELPERS)
+
+
+def _run_as_main(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """``python -m experiments.MODULE ARGV`` in this process; its exit status."""
+    monkeypatch.setattr("sys.argv", [module, *argv])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("ignore", RuntimeWarning)  # imported already, run again
+        runpy.run_module(f"experiments.{module}", run_name="__main__")
+    return int(exit_.value.code)
+
+
+@pytest.mark.parametrize("module", HELPERS)
+def test_a_helper_module_says_what_it_is_and_which_driver_to_run(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    doc = __import__(f"experiments.{module}", fromlist=["_"]).__doc__
+    assert _run_as_main(module, ["--help"], monkeypatch) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"experiments.{module}: a part of the experiment drivers")
+    assert doc.strip().splitlines()[0] in text
+    assert "Run a driver instead:\n    python -m experiments." in text
+    for argv in ([], ["CONFIG.toml"], ["--out", "x"]):  # anything else: the same, exit 2
+        assert _run_as_main(module, argv, monkeypatch) == 2
+        assert capsys.readouterr().err == f"error: {text}"
+
+
+def test_a_helper_module_answers_on_the_real_command_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", "--help"],
+        cwd=EXPERIMENTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert "python -m experiments.train CONFIG.toml" in done.stdout
