@@ -10,6 +10,11 @@ per-seed values of every metric, ``DIR/results.json`` all numbers, ``DIR/config.
 resolved run config, ``DIR/learning_curves.png`` the test curves (per run the mean over the
 seeds and a band of ± one standard deviation) and
 ``DIR/weight_magnitudes.png`` the first-layer weight magnitudes of each run (first seed).
+
+Every run is checked before the first one trains (an error names it: ``[runs.LABEL]: ...``);
+after every epoch and run the command prints the runs done, the time elapsed and an estimate
+of the time left. ``--resume`` continues the runs in DIR, counts the finished ones as done,
+and takes changes to runs that have not finished (a started one starts again from scratch).
 """
 
 from __future__ import annotations
@@ -440,9 +445,9 @@ def _compare(
         for label in configs
     }
     eval_set = next(iter(per_seed[next(iter(configs))].values()))["eval_set"]
-    seeds = ", ".join(map(str, seed_names))
+    seeds = f"seed{'s' if len(seed_names) > 1 else ''} {', '.join(map(str, seed_names))}"
     figures.learning_curves(
-        histories, out / "learning_curves.png", f"{out.name}, seeds {seeds}", eval_set
+        histories, out / "learning_curves.png", f"{out.name}, {seeds}", eval_set
     )
     weights = {label: _first_layer_at_g(out / label / f"seed{seed_names[0]}") for label in configs}
     first_weight = next(iter(weights.values()))

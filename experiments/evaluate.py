@@ -55,13 +55,13 @@ def evaluate(
         "point": predictive.metrics(point, labels, bins),
         "average": predictive.metrics(average, labels, bins),
     }
+    averaged = f"model average, {cfg['samples']} samples" if has_posterior else "no posterior: at g"
     figures.reliability_diagram(
         {
             f"at g (ECE {results['point']['ece']:.4f})": predictive.reliability_bins(
                 point, labels, bins
             ),
-            f"model average, {cfg['samples'] if has_posterior else 1} samples "
-            f"(ECE {results['average']['ece']:.4f})": predictive.reliability_bins(
+            f"{averaged} (ECE {results['average']['ece']:.4f})": predictive.reliability_bins(
                 average, labels, bins
             ),
         },

@@ -74,9 +74,9 @@ def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path, 
         ax.bar(left[down], (acc - conf)[down], width[down], conf[down], align="edge", **under)
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=name)
-        ax.legend(handles=legend, loc="upper left", fontsize="small")
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.06, 1.0, 1.0))
     _save(fig, path)
 
 

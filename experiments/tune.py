@@ -12,6 +12,8 @@ held-out examples; the test set is never loaded into a tuning run. A point that 
 is recorded as such. ``DIR/tuning.md`` lists every point with its validation metrics and
 marks the chosen one (the best mean of ``metric`` over the seeds), ``DIR/tuned.json`` holds
 each label's chosen optimizer table and ``DIR/config.json`` every resolved run config.
+Every point is checked before the first trains, progress and ``--resume`` are those of
+experiments.compare.
 """
 
 from __future__ import annotations

@@ -51,13 +51,16 @@ def test_reliability_diagram_puts_every_mark_in_its_legend(drawn: dict[str, Any]
     figures.reliability_diagram({"at g": hist, "average": hist}, Path("r.png"), "cfg: rule")
     fig = drawn["r.png"]
     assert fig._suptitle.get_text() == "cfg: rule"
+    (legend,) = fig.legends  # one for both panels, below them
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "accuracy",
+        "gap up to mean confidence (overconfident)",
+        "gap down to it (underconfident)",
+        "perfect calibration",
+    ]
+    handles = legend.legend_handles
+    assert [h.get_hatch() for h in handles[:3]] == [None, "//", "\\\\"]
     for ax in fig.axes:
-        assert legend_labels(ax) == [
-            "accuracy",
-            "gap up to mean confidence (overconfident)",
-            "gap down to it (underconfident)",
-            "perfect calibration",
-        ]
         (over,), (under,) = hatched(ax, "//"), hatched(ax, "\\\\")
         assert (over.get_x(), over.get_y(), over.get_height()) == pytest.approx((0.25, 0.25, 0.15))
         assert (under.get_x(), under.get_y(), under.get_height()) == pytest.approx((0.5, 0.6, 0.2))
@@ -157,6 +160,6 @@ def test_every_figure_of_a_comparison_names_it(tmp_path: Path, drawn: dict[str, 
     raw["runs"]["gauss"] = {"optimizer": {"name": "affine", "lr": 0.5, "scale_lr": 0.05}}
     compare.compare(copy.deepcopy(raw), tmp_path / "my_config")
     titles = {name: fig._suptitle.get_text() for name, fig in drawn.items()}
-    assert titles["learning_curves.png"].startswith("my_config, seeds 4: ")
+    assert titles["learning_curves.png"].startswith("my_config, seed 4: ")
     assert titles["weight_magnitudes.png"].startswith("my_config: first-layer weight magnitudes")
     assert titles["reliability.png"].startswith("my_config: gauss (affine), seed 4: ")
