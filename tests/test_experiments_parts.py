@@ -42,6 +42,18 @@ def test_mnist5k_split_is_stratified_in_file_order() -> None:
     assert unit.min() == 0.0 and unit.max() == 1.0
 
 
+def test_mnist5k_is_parsed_once_and_each_load_has_its_own_tensors() -> None:
+    first = data.load_dataset("mnist5k")
+    second = data.load_dataset("mnist5k")
+    assert data._mnist5k_arrays.cache_info().misses <= 1  # one parse per process
+    assert torch.equal(first.train_x, second.train_x) and torch.equal(first.test_y, second.test_y)
+    first.train_y[:10] = 7  # flipping labels in one run (memory maps do) leaves the next alone
+    first.train_x[0] = 255
+    third = data.load_dataset("mnist5k")
+    assert torch.equal(third.train_y, second.train_y) and torch.equal(third.train_x, second.train_x)
+    assert not torch.equal(first.train_y, third.train_y)
+
+
 def test_digits_are_offline_and_scaled() -> None:
     ds = data.load_dataset("digits")
     assert ds.input_shape == (1, 8, 8) and ds.num_classes == 10
