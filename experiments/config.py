@@ -299,7 +299,8 @@ def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any
 
 
 def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The resolved run config of every ``[runs.LABEL]`` table of a comparison config.
+    """The resolved run config of every ``[runs.LABEL]`` table of a comparison config (an
+    error names the run: ``[runs.LABEL]: ...``).
 
     A config without ``[runs]`` is a single run labelled by its optimizer name.
     """
@@ -316,7 +317,13 @@ def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                 f"run label {label!r} is not a plain folder name: use letters, digits, "
                 "'_', '-', '+', '.', not starting with '.' (each run trains into OUT/LABEL)"
             )
-    return {label: resolve(merge(shared, run)) for label, run in runs.items()}
+    resolved = {}
+    for label, run in runs.items():
+        try:
+            resolved[label] = resolve(merge(shared, run))
+        except ConfigError as err:
+            raise ConfigError(f"[runs.{label}]: {err}") from None
+    return resolved
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -333,3 +340,9 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a table of settings, got {type(raw).__name__}")
     return raw
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.config", __doc__, ("train", "compare", "tune")))

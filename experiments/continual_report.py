@@ -249,3 +249,9 @@ def report(
 def _sizes(sizes: Sequence[int]) -> str:
     low, high = min(sizes), max(sizes)
     return f"{low:,}" if low == high else f"{low:,}–{high:,}"
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.continual_report", __doc__, ("continual",)))

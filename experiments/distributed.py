@@ -202,3 +202,9 @@ def leave() -> None:
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.distributed", __doc__, ("train", "compare")))

@@ -29,8 +29,11 @@ def evaluate(
     test: Sequence[tuple[Tensor, Tensor]],
     cfg: dict[str, Any],
     out: Path,
+    *,
+    title: str,
 ) -> dict[str, Any]:
-    """Metrics at the point estimate g and of the Bayesian model average; writes the figures.
+    """Metrics at the point estimate g and of the Bayesian model average; writes the figures,
+    each titled ``title`` (the run: config, rule, seed) and what it shows.
 
     ``cfg`` is the resolved ``[eval]`` table: ``samples`` posterior samples for the model
     average, ``bins`` for the ECE, ``sparsity_samples`` for the sample-averaged sparsity.
@@ -52,22 +55,23 @@ def evaluate(
         "point": predictive.metrics(point, labels, bins),
         "average": predictive.metrics(average, labels, bins),
     }
+    averaged = f"model average, {cfg['samples']} samples" if has_posterior else "no posterior: at g"
     figures.reliability_diagram(
         {
             f"at g (ECE {results['point']['ece']:.4f})": predictive.reliability_bins(
                 point, labels, bins
             ),
-            f"model average, {cfg['samples'] if has_posterior else 1} samples "
-            f"(ECE {results['average']['ece']:.4f})": predictive.reliability_bins(
+            f"{averaged} (ECE {results['average']['ece']:.4f})": predictive.reliability_bins(
                 average, labels, bins
             ),
         },
         out / "reliability.png",
+        f"{title}: reliability ({bins} confidence bins)",
     )
     results["sparsity"] = first_layer_sparsity(model, optimizer, cfg["sparsity_samples"])
-    results["ood"] = out_of_distribution(model, optimizer, inputs, cfg["samples"], out)
-    plot_first_layer(model, optimizer, inputs[0][0], out)
-    plot_weight_magnitudes(model, optimizer, out / "weights.png")
+    results["ood"] = out_of_distribution(model, optimizer, inputs, cfg["samples"], out, title)
+    plot_first_layer(model, optimizer, inputs[0][0], out, title)
+    plot_weight_magnitudes(model, optimizer, out / "weights.png", title)
     return results
 
 
@@ -77,9 +81,11 @@ def out_of_distribution(
     inputs: Sequence[Tensor],
     samples: int,
     out: Path,
+    title: str,
 ) -> dict[str, dict[str, float]]:
     """AUROC of the predictive entropy for test inputs vs each shift of :mod:`experiments.ood`,
-    at g and for the model average of ``samples`` posterior samples; writes ``ood.png``.
+    at g and for the model average of ``samples`` posterior samples; writes ``ood.png``
+    (titled ``title``, the run).
 
     The average uses the same posterior samples for the test inputs and the shifted ones.
     """
@@ -96,7 +102,9 @@ def out_of_distribution(
     }
     titles = {"point": "at g", "average": f"model average, {samples} samples"}
     figures.entropy_histograms(
-        {titles[est]: ent for est, ent in entropies.items()}, out / "ood.png"
+        {titles[est]: ent for est, ent in entropies.items()},
+        out / "ood.png",
+        f"{title}: predictive entropy, test inputs and shifted ones",
     )
     average = entropies.get("average", entropies["point"])  # no posterior: the point estimate
     return {
@@ -108,15 +116,20 @@ def out_of_distribution(
     }
 
 
-def plot_weight_magnitudes(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Distribution of log₁₀|w| of the first layer at g (and at one posterior sample)."""
+def plot_weight_magnitudes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, path: Path, title: str
+) -> None:
+    """Distribution of log₁₀|w| of the first layer at g (and at one posterior sample) of the
+    run ``title``."""
     weight = first_layer(model)
     weights = {"at g": weight.detach().clone()}
     sampler = getattr(optimizer, "sampled_params", None)
     if sampler is not None:
         with sampler():
             weights["one posterior sample"] = weight.detach().clone()
-    figures.weight_magnitudes(weights, path, NEAR_ZERO * init_scale(weight))
+    figures.weight_magnitudes(
+        weights, path, f"{title}: first-layer weight magnitudes", NEAR_ZERO * init_scale(weight)
+    )
 
 
 def first_layer_sparsity(
@@ -150,9 +163,10 @@ def as_filters(weight: Tensor, input_shape: Sequence[int]) -> Tensor | None:
 
 
 def plot_first_layer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, example: Tensor, out: Path
+    model: nn.Module, optimizer: torch.optim.Optimizer, example: Tensor, out: Path, title: str
 ) -> list[Path]:
-    """Filter grids of the first layer at g and of each part of its group element.
+    """Filter grids of the first layer at g and of each part of its group element, titled
+    with the run ``title``.
 
     Shows the 32 filters most activated (|⟨w, x⟩|) by the input ``example`` when the
     filters span the input (dense first layer), else the 32 of largest norm; every
@@ -166,12 +180,18 @@ def plot_first_layer(
     score = (flat @ example.flatten()).abs() if weight.ndim == 2 else flat.norm(dim=1)
     top = torch.argsort(score, descending=True)[: figures.FILTER_ROWS * figures.FILTER_COLS]
     paths = [out / "filters.png"]
-    figures.filter_grid(filters[top], paths[0], "first-layer filters at g")
+    figures.filter_grid(filters[top], paths[0], f"{title}: first-layer filters at g")
     group_element = getattr(optimizer, "group_element", None)
     parts = group_element(first_layer(model)) if group_element is not None else {}
-    for key, (stem, title) in PART_FIGURES.items():
+    for key, (stem, what) in PART_FIGURES.items():
         if key in parts:
             paths.append(out / f"filters_{stem}.png")
             part = parts[key].reshape(filters.shape)
-            figures.filter_grid(part[top], paths[-1], title, signed=False)
+            figures.filter_grid(part[top], paths[-1], f"{title}: {what}", signed=False)
     return paths
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.evaluate", __doc__, ("train", "compare")))

@@ -115,3 +115,9 @@ class OnlineEWC:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.fisher = dict(state["fisher"])
         self.anchor = dict(state["anchor"])
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.ewc", __doc__, ("continual",)))

@@ -5,24 +5,33 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from torch import Tensor
 
 DPI = 100
 RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
 FILTERS_SIZE = (8.0, 4.5)  # 800 × 450 pixels
 CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
-HISTOGRAM_SIZE = (8.0, 4.0)  # 800 × 400 pixels
+HISTOGRAM_WIDTH, HISTOGRAM_PANEL = 8.0, 1.5  # inches: 800 pixels wide, 150 high per panel
 MEMORY_MAP_SIZE = (13.0, 7.0)  # 1300 × 700 pixels
 SCATTER_SIZE = (10.0, 4.5)  # 1000 × 450 pixels
 MEMORY_ROWS, MEMORY_COLS = 2, 8  # digits shown per block (most and least sensitive)
 FILTER_ROWS, FILTER_COLS = 4, 8
 ROBUST_QUANTILE = 0.99
+STYLES: list[tuple[Any, str]] = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D")]
+STYLES += [((0, (5, 1, 1, 1)), "v"), ((0, (1, 3)), "P"), ((0, (8, 2)), "X")]
+"""Line styles (dash patterns) and markers of the series of one plot, in order: series that
+overlap stay apart."""
 
 
 def _save(fig: plt.Figure, path: Path) -> None:
@@ -31,43 +40,43 @@ def _save(fig: plt.Figure, path: Path) -> None:
     plt.close(fig)
 
 
-def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path) -> None:
-    """One panel per entry of ``panels``: title → output of ``predictive.reliability_bins``.
+def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path, title: str) -> None:
+    """One panel per entry of ``panels``: panel title → output of
+    ``predictive.reliability_bins``; ``title`` names the run.
 
-    Bars: accuracy per confidence bin; the hatched red part spans the gap to the bin's
-    mean confidence; the diagonal is perfect calibration.
+    Bars: accuracy per confidence bin; a hatched bar spans the gap to the bin's mean
+    confidence, red above the accuracy (overconfident), black over the bar below it
+    (underconfident); the diagonal is perfect calibration.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=RELIABILITY_SIZE, squeeze=False)
-    for ax, (title, hist) in zip(axes[0], panels.items(), strict=True):
+    accuracy: dict[str, Any] = {"color": "tab:blue", "linewidth": 0}
+    over: dict[str, Any] = {
+        "facecolor": "tab:red",
+        "alpha": 0.35,
+        "hatch": "//",
+        "edgecolor": "tab:red",
+    }
+    under: dict[str, Any] = {"facecolor": "none", "hatch": "\\\\", "edgecolor": "k", "linewidth": 0}
+    legend = [  # every mark, also one a panel happens not to draw
+        Patch(**accuracy, label="accuracy"),
+        Patch(**over, label="gap up to mean confidence (overconfident)"),
+        Patch(**{**under, "facecolor": "tab:blue"}, label="gap down to it (underconfident)"),
+        Line2D([], [], color="k", ls="--", lw=1, label="perfect calibration"),
+    ]
+    for ax, (name, hist) in zip(axes[0], panels.items(), strict=True):
         edges = hist["edges"].numpy()
-        width = np.diff(edges)
         filled = hist["count"].numpy() > 0
-        acc, conf = hist["accuracy"].numpy(), hist["confidence"].numpy()
-        left = edges[:-1][filled]
-        ax.bar(
-            left,
-            acc[filled],
-            width[filled],
-            align="edge",
-            color="tab:blue",
-            edgecolor="k",
-            label="accuracy",
-        )
-        ax.bar(
-            left,
-            np.abs(conf - acc)[filled],
-            width[filled],
-            bottom=np.minimum(conf, acc)[filled],
-            align="edge",
-            color="tab:red",
-            alpha=0.35,
-            hatch="//",
-            label="gap to mean confidence",
-        )
+        acc, conf = hist["accuracy"].numpy()[filled], hist["confidence"].numpy()[filled]
+        left, width = edges[:-1][filled], np.diff(edges)[filled]
+        ax.bar(left, acc, width, align="edge", **accuracy)
+        up, down = conf > acc, conf < acc
+        ax.bar(left[up], (conf - acc)[up], width[up], acc[up], align="edge", lw=0, **over)
+        ax.bar(left[down], (acc - conf)[down], width[down], conf[down], align="edge", **under)
         ax.plot([0, 1], [0, 1], "k--", lw=1)
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
-        ax.legend(loc="upper left")
-    fig.tight_layout()
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=name)
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0.0, 0.06, 1.0, 1.0))
     _save(fig, path)
 
 
@@ -93,11 +102,13 @@ def _filter_image(f: np.ndarray, signed: bool) -> tuple[np.ndarray, dict[str, ob
 
 
 def filter_grid(filters: Tensor, path: Path, title: str, signed: bool = True) -> None:
-    """Up to 32 filters ``(F, C, H, W)`` in a 4 × 8 grid, each with its own robust limits.
+    """Up to 32 filters ``(F, C, H, W)`` in a 4 × 8 grid, each with its own robust limits,
+    and a colour bar of the scale they share.
 
     ``signed`` filters use a blue (negative) to red (positive) map symmetric about 0;
-    unsigned ones (g⁺, g⁻) go from black (0) to white. Each filter's colours saturate at its
-    99th percentile of |w| (:func:`robust_limit`).
+    unsigned ones (g⁺, g⁻) go from black (0) to white; RGB filters show each channel from
+    dark (negative) to bright (positive). Each filter's colours saturate at its 99th
+    percentile of |w| (:func:`robust_limit`), the ±1 of the colour bar.
     """
     fig, axes = plt.subplots(FILTER_ROWS, FILTER_COLS, figsize=FILTERS_SIZE)
     array = filters.detach().cpu().double().numpy()
@@ -106,42 +117,71 @@ def filter_grid(filters: Tensor, path: Path, title: str, signed: bool = True) ->
         if i < len(array):
             img, style = _filter_image(array[i], signed)
             ax.imshow(img, interpolation="nearest", **style)
-    fig.suptitle(f"{title} (colours saturate at each filter's 99th percentile of |w|)")
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.9, wspace=0.05, hspace=0.05)
+    fig.suptitle(title)
+    fig.subplots_adjust(left=0.01, right=0.84, bottom=0.01, top=0.9, wspace=0.05, hspace=0.05)
+    rgb, low = array.shape[1] == 3, -1.0 if signed or array.shape[1] == 3 else 0.0
+    scale = ScalarMappable(Normalize(low, 1.0), "gray" if rgb or not signed else "RdBu_r")
+    bar = fig.colorbar(scale, cax=fig.add_axes((0.86, 0.05, 0.02, 0.8)))
+    what = "each channel's w" if rgb else "w" if signed else "value"
+    bar.set_label(f"{what} / the filter's\n99th percentile of |w|", fontsize=8)
     _save(fig, path)
 
 
-def weight_magnitudes(
-    weights: Mapping[str, Tensor], path: Path, near_zero: float | None = None
-) -> None:
-    """Histogram of log₁₀|w| of a layer, one line per entry of ``weights`` (label → tensor).
+def histogram_size(panels: int) -> tuple[float, float]:
+    """Inches of :func:`weight_magnitudes` with ``panels`` panels."""
+    return HISTOGRAM_WIDTH, HISTOGRAM_PANEL * panels + 1.0
 
-    ``near_zero`` marks the near-zero threshold as a vertical line.
-    """
-    fig, ax = plt.subplots(figsize=HISTOGRAM_SIZE)
-    for label, w in weights.items():
-        mag = w.detach().abs().double().flatten().cpu().numpy()
-        logs = np.log10(np.maximum(mag, 1e-12))
-        ax.hist(logs, bins=120, histtype="step", lw=1.5, density=True, label=label)
-    if near_zero is not None:
-        ax.axvline(math.log10(near_zero), color="k", ls="--", lw=1, label="near-zero threshold")
-    ax.set(xlabel="log₁₀ |w|", ylabel="density", title="first-layer weight magnitudes")
-    ax.legend()
+
+def weight_magnitudes(
+    weights: Mapping[str, Tensor], path: Path, title: str, near_zero: float | None = None
+) -> None:
+    """Histograms of log₁₀|w| of a layer, one panel per entry of ``weights`` (label → tensor)
+    with the other entries in grey behind it (small multiples: histograms that coincide stay
+    readable); ``near_zero`` marks the near-zero threshold as a dashed line."""
+    logs = {
+        label: np.log10(np.maximum(w.detach().abs().double().flatten().cpu().numpy(), 1e-12))
+        for label, w in weights.items()
+    }
+    edges = np.linspace(
+        min(v.min() for v in logs.values()), max(v.max() for v in logs.values()), 121
+    )
+    size = histogram_size(len(logs))
+    fig, axes = plt.subplots(len(logs), 1, figsize=size, sharex=True, sharey=True, squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (ax, (label, values)) in enumerate(zip(axes[:, 0], logs.items(), strict=True)):
+        others = [v for other, v in logs.items() if other != label]
+        for j, v in enumerate(others):
+            name = "the others" if j == 0 else None
+            ax.hist(v, bins=edges, histtype="step", lw=0.8, color="0.7", density=True, label=name)
+        colour = colours[i % len(colours)]
+        ax.hist(
+            values, bins=edges, histtype="step", lw=1.5, color=colour, density=True, label=label
+        )
+        if near_zero is not None:
+            threshold = math.log10(near_zero)
+            ax.axvline(threshold, color="k", ls="--", lw=1, label="near-zero threshold")
+        ax.set_ylabel("density")
+        ax.legend(loc="upper left", fontsize="small")
+    axes[-1, 0].set_xlabel("log₁₀ |w|")
+    fig.suptitle(title)
     fig.tight_layout()
     _save(fig, path)
 
 
-def entropy_histograms(panels: Mapping[str, Mapping[str, Tensor]], path: Path) -> None:
-    """One panel per entry of ``panels`` (title → {input set → predictive entropies}):
-    a histogram of the predictive entropy per input set."""
+def entropy_histograms(panels: Mapping[str, Mapping[str, Tensor]], path: Path, title: str) -> None:
+    """One panel per entry of ``panels`` (panel title → {input set → predictive entropies}):
+    a histogram of the predictive entropy per input set, each in its own colour and line
+    style; ``title`` names the run."""
     fig, axes = plt.subplots(1, len(panels), figsize=RELIABILITY_SIZE, squeeze=False)
-    for ax, (title, sets) in zip(axes[0], panels.items(), strict=True):
+    for ax, (name, sets) in zip(axes[0], panels.items(), strict=True):
         top = max(float(e.max()) for e in sets.values())
         edges = np.linspace(0.0, max(top, 1e-6), 41)
-        for name, entropy in sets.items():
-            ax.hist(entropy.cpu().numpy(), bins=edges, histtype="step", lw=1.5, label=name)
-        ax.set(xlabel="predictive entropy (nats)", ylabel="inputs", title=title)
+        for (label, entropy), (dashes, _) in zip(sets.items(), STYLES, strict=False):
+            values = entropy.cpu().numpy()
+            ax.hist(values, bins=edges, histtype="step", lw=1.5, ls=dashes, label=label)
+        ax.set(xlabel="predictive entropy (nats)", ylabel="inputs", title=name)
         ax.legend()
+    fig.suptitle(title)
     fig.tight_layout()
     _save(fig, path)
 
@@ -160,11 +200,13 @@ def mean_and_sd(curves: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
 def learning_curves(
     histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]],
     path: Path,
+    title: str,
     eval_set: str = "test",
 ) -> None:
     """Accuracy and NLL on the ``eval_set`` (at the point estimate) per epoch: for each run
     label (label → one list of epoch rows per seed) the mean over seeds as a line and mean ±
-    sample standard deviation as a band, one colour per label."""
+    sample standard deviation as a band, one colour, line style and marker per label (so a
+    line hidden under another still shows); ``title`` names the comparison."""
     fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=CURVES_SIZE)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # tab10
     for i, (label, seeds) in enumerate(histories.items()):
@@ -172,15 +214,26 @@ def learning_curves(
         if any([r["epoch"] for r in rows] != epochs for rows in seeds):
             raise ValueError(f"the seeds of {label!r} have different epochs")
         name = f"{label} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+        colour, (dashes, marker) = colours[i % len(colours)], STYLES[i % len(STYLES)]
+        every = max(1, len(epochs) // 8)
         for ax, key, factor in ((ax_acc, "test_accuracy", 100.0), (ax_nll, "test_nll", 1.0)):
             mean, sd = mean_and_sd([[factor * r[key] for r in rows] for rows in seeds])
-            colour = colours[i % len(colours)]
-            ax.plot(epochs, mean, color=colour, lw=1.5, label=name)
+            ax.plot(
+                epochs,
+                mean,
+                color=colour,
+                lw=1.5,
+                ls=dashes,
+                marker=marker,
+                ms=4,
+                markevery=(i % every, every),
+                label=name,
+            )
             ax.fill_between(epochs, mean - sd, mean + sd, color=colour, alpha=0.25, lw=0)
     ax_acc.set(xlabel="epoch", ylabel=f"{eval_set} accuracy (%) at g")
     ax_nll.set(xlabel="epoch", ylabel=f"{eval_set} NLL at g")
     ax_acc.legend()
-    fig.suptitle("mean over the seeds; band: mean ± sample standard deviation")
+    fig.suptitle(f"{title}: mean over the seeds; band: mean ± sample standard deviation")
     fig.tight_layout()
     _save(fig, path)
 
@@ -296,3 +349,9 @@ def average_accuracy(curves: Mapping[str, Mapping[str, np.ndarray]], path: Path)
     ax.legend(loc="lower left", fontsize="small")
     fig.tight_layout()
     _save(fig, path)
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.figures", __doc__, ("train", "compare")))

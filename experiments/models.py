@@ -194,3 +194,9 @@ def build_model(
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for model {name!r}; valid: {sorted(valid)}")
     return MODELS[name](input_shape, num_classes, **options)
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.models", __doc__, ("train", "compare")))

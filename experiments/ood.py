@@ -60,3 +60,9 @@ def shifted_inputs(inputs: Sequence[Tensor], seed: int = 0) -> dict[str, list[Te
         low + (high - low) * torch.rand(x.shape, generator=gen).to(x.device) for x in inputs
     ]
     return shifts
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.ood", __doc__, ("train", "compare")))

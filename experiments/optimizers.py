@@ -196,3 +196,9 @@ def lr_factor(epoch: int, epochs: int, warmup: int) -> float:
     if epoch < warmup:
         return (epoch + 1) / warmup
     return 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup)))
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.optimizers", __doc__, ("train", "compare")))

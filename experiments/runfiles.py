@@ -168,3 +168,9 @@ def remove_leftovers(folder: Path) -> None:
     for path in folder.iterdir():
         if _is_temporary(path.name):
             path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.runfiles", __doc__, ("train", "compare")))

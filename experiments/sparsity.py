@@ -68,3 +68,9 @@ def sparsity(weight: Tensor) -> dict[str, float]:
         "near_zero_max": near_zero_fraction(w, NEAR_ZERO_MAX * peak),
         "hoyer": hoyer(weight),
     }
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.sparsity", __doc__, ("train", "compare")))

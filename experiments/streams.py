@@ -122,3 +122,9 @@ def column_mask(classes: tuple[int, ...], outputs: int) -> Tensor:
     mask = torch.full((outputs,), -math.inf)
     mask[list(classes)] = 0.0
     return mask
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.streams", __doc__, ("continual",)))

@@ -99,15 +99,35 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
     np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
     torch.manual_seed(seed)
     device = distributed.device_for(resolve_device(cfg["device"]).type, processes)
-    dcfg, ocfg = cfg["data"], cfg["optimizer"]
+    data = load_data(cfg["data"])
+    if cfg["data"]["augment"] is None:
+        cfg["data"]["augment"] = data.augment
+    model = distributed.shard(_model(cfg, data, device), processes)
+    optimizer = _optimizer(cfg, model, data, processes, processes.group)
+    schedule = partial(
+        lr_factor, epochs=cfg["schedule"]["epochs"], warmup=cfg["schedule"]["warmup"]
+    )
+    scheduler = LambdaLR(optimizer, schedule)
+    data_rng = torch.Generator().manual_seed(seed)
+    return Run(cfg, device, data, model, optimizer, scheduler, data_rng, processes)
+
+
+def load_data(dcfg: dict[str, Any]) -> Dataset:
+    """The data of a resolved ``[data]`` table: its dataset, with ``validation`` training
+    examples held out as the evaluation set when it is > 0."""
     options = {k: v for k, v in dcfg.items() if k not in config_module.SECTIONS["data"]}
     data = load_dataset(dcfg["name"], dcfg["root"], **options)
     if dcfg["validation"]:
         data = validation_split(data, dcfg["validation"], dcfg["validation_seed"])
-    if dcfg["augment"] is None:
-        dcfg["augment"] = data.augment
-    model = distributed.shard(_model(cfg, data, device), processes)
-    local = {**ocfg}
+    return data
+
+
+def _optimizer(
+    cfg: dict[str, Any], model: nn.Module, data: Dataset, processes: Processes, group: Any
+) -> torch.optim.Optimizer:
+    """The run's optimizer on ``model``: N = da_factor × (training-set size), this process's
+    share of the samples, the optimizers' ``process_group`` ``group``."""
+    ocfg = cfg["optimizer"]
     if processes.sharded and (ocfg["name"] == "ivon" or _vectorized(ocfg)):
         raise config_module.ConfigError(
             "parallel = 'fsdp' shards the parameters (DTensor), which ivon's optimizer and "
@@ -118,18 +138,24 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
             "ivon draws its noise from torch's global generator, the same on every process: "
             "train it with parallel = 'data' (or in one process)"
         )
+    local = {**ocfg}
     if "mc_samples" in ocfg:
         local["mc_samples"] = distributed.local_samples(
             ocfg["mc_samples"], cfg["parallel"], processes
         )
-    data_size = dcfg["da_factor"] * len(data.train_y)
-    optimizer = build_optimizer(local, model.parameters(), data_size, processes.group)
-    schedule = partial(
-        lr_factor, epochs=cfg["schedule"]["epochs"], warmup=cfg["schedule"]["warmup"]
-    )
-    scheduler = LambdaLR(optimizer, schedule)
-    data_rng = torch.Generator().manual_seed(seed)
-    return Run(cfg, device, data, model, optimizer, scheduler, data_rng, processes)
+    data_size = cfg["data"]["da_factor"] * len(data.train_y)
+    return build_optimizer(local, model.parameters(), data_size, group)
+
+
+def check(cfg: dict[str, Any], data: Dataset, processes: Processes) -> None:
+    """Raise what the run of the resolved config ``cfg`` on ``data`` (:func:`load_data`)
+    would raise when it starts, without training: its device, a batch size that fits the
+    data and the processes, and every value its optimizer checks, by building the optimizer
+    on the run's model (on the CPU, without a process group). Global RNGs move; :func:`build`
+    seeds them again."""
+    resolve_device(cfg["device"])
+    _check_data(cfg, data, processes)
+    _optimizer(cfg, _model(cfg, data, torch.device("cpu")), data, processes, None)
 
 
 def _model(cfg: dict[str, Any], data: Dataset, device: torch.device) -> nn.Module:
@@ -340,19 +366,19 @@ def check_folder(out: Path, resume: bool, ckpt: Path, progress: str = METRICS) -
         )
 
 
-def _check_data(run: Run) -> None:
+def _check_data(cfg: dict[str, Any], data: Dataset, processes: Processes) -> None:
     """What only the loaded data can tell: every epoch takes at least one step."""
-    batch, size = run.cfg["data"]["batch_size"], len(run.data.train_y)
+    batch, size = cfg["data"]["batch_size"], len(data.train_y)
     if batch > size:
         raise config_module.ConfigError(
             f"[data].batch_size {batch} exceeds the {size} training examples: no step would "
             "run (the last partial batch is dropped)"
         )
-    world = run.processes.world
-    if run.cfg["parallel"] != "mc" and batch % world:
+    world = processes.world
+    if cfg["parallel"] != "mc" and batch % world:
         raise config_module.ConfigError(
             f"[data].batch_size {batch} must be divisible by the {world} processes "
-            f"(parallel '{run.cfg['parallel']}')"
+            f"(parallel '{cfg['parallel']}')"
         )
 
 
@@ -366,7 +392,7 @@ def _prepare(
     ckpt = checkpoint_path(out, processes)
     check_folder(out, resume, ckpt)
     run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
-    _check_data(run)
+    _check_data(cfg, run.data, processes)
     if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:
         raise config_module.ConfigError(
             f"the config differs from the one {out} was trained with ({out / CONFIG}); "
@@ -377,7 +403,7 @@ def _prepare(
     return run, 0, []
 
 
-def _on_every_process(step: Callable[[], T], processes: Processes) -> T:
+def on_every_process(step: Callable[[], T], processes: Processes) -> T:
     """Run ``step`` on every process; if it fails on one, the others fail too (not hang)."""
     try:
         result = step()
@@ -389,30 +415,63 @@ def _on_every_process(step: Callable[[], T], processes: Processes) -> T:
     return result
 
 
-def train(raw: dict[str, Any], out: str | Path, resume: bool = False) -> dict[str, Any]:
+ProgressHook = Callable[[int], str]
+"""Told the epochs a run has done when it starts and after every epoch; what it returns
+after an epoch ends that epoch's line (:class:`experiments.progress.Progress`)."""
+
+
+def train(
+    raw: dict[str, Any],
+    out: str | Path,
+    resume: bool = False,
+    progress: ProgressHook | None = None,
+    title: str | None = None,
+) -> dict[str, Any]:
     """Train and evaluate the run of config ``raw`` into folder ``out``; returns the results
     (on rank 0; other torchrun processes train alongside and return ``{}``).
 
     Everything is checked before anything is written; rank 0 holds the folder's lock for
     the run's life. Each epoch's metrics row is saved inside its checkpoint, then
-    ``metrics.jsonl`` is rewritten from it, so no kill loses a row.
+    ``metrics.jsonl`` is rewritten from it, so no kill loses a row. ``progress`` hears of
+    every epoch; ``title`` names the run in its figures (default: ``"FOLDER: RULE, seed S"``).
     """
     cfg = config_module.resolve(raw)
     processes = distributed.from_environment(cfg["parallel"])
     out = Path(out)
+    title = title or f"{out.name}: {cfg['optimizer']['name']}, seed {cfg['seed']}"
     with contextlib.ExitStack() as lock:
         prepare = partial(_prepare, cfg, out, resume, processes, lock)
-        run, start, history = _on_every_process(prepare, processes)
+        run, start, history = on_every_process(prepare, processes)
         if processes.main:
             runfiles.remove_leftovers(out)
             runfiles.write_json(out / CONFIG, cfg)
             runfiles.write_jsonl(out / METRICS, history)
         distributed.barrier(processes)
-        results = _train(run, out, start, history)
+        if progress is not None:
+            progress(start)
+        results = _train(run, out, start, history, progress, title)
     return results
 
 
-def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> dict[str, Any]:
+def clear(out: Path) -> None:
+    """Delete a run's files from its folder ``out`` (the figures, metrics, config, then the
+    checkpoints: a kill in between leaves a run that still has its checkpoint)."""
+    files = [*sorted(out.glob("*.png")), out / RESULTS, out / METRICS, out / CONFIG]
+    files += [*sorted(out.glob("checkpoint.rank*.pt")), out / CHECKPOINT]
+    for path in files:
+        path.unlink(missing_ok=True)
+    if out.is_dir():
+        runfiles.remove_leftovers(out)
+
+
+def _train(
+    run: Run,
+    out: Path,
+    start: int,
+    history: list[dict[str, Any]],
+    progress: ProgressHook | None,
+    title: str,
+) -> dict[str, Any]:
     """Epochs ``start`` .. E, each checkpointed with its metrics row, then the evaluation."""
     cfg, processes = run.cfg, run.processes
     ckpt = checkpoint_path(out, processes)
@@ -426,7 +485,8 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
         seconds = time.perf_counter() - tic
         _check_state(run, epoch)
         if processes.main or processes.sharded:  # sharded: the forward passes gather
-            row = _epoch_row(run, test, epoch, lr, loss, seconds)
+            note = progress(epoch + 1) if progress is not None else ""
+            row = _epoch_row(run, test, epoch, lr, loss, seconds, note)
         if processes.main:
             if runfiles.nonfinite(row):
                 raise _diverged(epoch, f"non-finite test metrics {runfiles.nonfinite(row)}")
@@ -441,7 +501,7 @@ def _train(run: Run, out: Path, start: int, history: list[dict[str, Any]]) -> di
     if not processes.main:
         return {}
     tic = time.perf_counter()
-    results = evaluate(model, optimizer, test, cfg["eval"], out)
+    results = evaluate(model, optimizer, test, cfg["eval"], out, title=title)
     results["train_seconds"] = sum(r["train_seconds"] for r in history)
     results["steps"] = epochs * (len(run.data.train_y) // cfg["data"]["batch_size"])
     results["fastest_pass_seconds"] = min(r["train_seconds"] for r in history)
@@ -468,8 +528,10 @@ def _epoch_row(
     lr: float,
     loss: float,
     seconds: float,
+    note: str = "",
 ) -> dict[str, Any]:
-    """The epoch's metrics line (test accuracy and NLL at the point estimate), also printed."""
+    """The epoch's metrics line (test accuracy and NLL at the point estimate), also printed
+    (followed by ``note``)."""
     log_probs = predictive.predictive_log_probs(run.model, [x for x, _ in test])
     labels = torch.cat([y for _, y in test])
     row = {
@@ -484,6 +546,7 @@ def _epoch_row(
         tqdm.write(
             f"epoch {epoch + 1}/{run.cfg['schedule']['epochs']}: loss {loss:.4f}, test accuracy "
             f"at g {100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
+            + (f" | {note}" if note else "")
         )
     return row
 

@@ -12,6 +12,8 @@ held-out examples; the test set is never loaded into a tuning run. A point that 
 is recorded as such. ``DIR/tuning.md`` lists every point with its validation metrics and
 marks the chosen one (the best mean of ``metric`` over the seeds), ``DIR/tuned.json`` holds
 each label's chosen optimizer table and ``DIR/config.json`` every resolved run config.
+Every point is checked before the first trains, progress and ``--resume`` are those of
+experiments.compare.
 """
 
 from __future__ import annotations
@@ -79,36 +81,31 @@ def tune(
     out = Path(out)
     metric, estimate = criterion(raw)
     expanded, points = grid_points(raw)
-    configs = compare.run_configs(expanded, seeds)  # every point validated before any training
+    configs = compare.run_configs(expanded, seeds)
     for label, by_seed in configs.items():
         if not all(cfg["data"]["validation"] > 0 for cfg in by_seed.values()):
             raise config_module.ConfigError(
                 f"run {label!r}: tuning must not see the test set; set [data] validation to "
                 "the number of training examples to hold out"
             )
+    compare.check_runs(configs)  # every point, before any trains
     written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
     with runfiles.locked(out):
-        compare.check_folder(out, written, resume)
-        runfiles.remove_leftovers(out)
-        runfiles.write_json(out / "config.json", written)
-        outcomes = {
-            label: {
-                str(s): _train_point(cfg, out / label / f"seed{s}", resume)
-                for s, cfg in by_seed.items()
-            }
-            for label, by_seed in configs.items()
-        }
+        compare.prepare_folder(out, written, resume)
+        outcomes = compare.train_all(configs, out, resume, trainer=_train_point)
         results = choose(points, outcomes, configs, metric, estimate)
         runfiles.write_json(out / "tuned.json", results)
         runfiles.write_text(out / "tuning.md", report(results, metric, estimate) + "\n")
     return results
 
 
-def _train_point(cfg: dict[str, Any], folder: Path, resume: bool) -> dict[str, Any] | None:
-    """The run's results, or None if it diverged."""
-    print(f"== tuning run {folder}", flush=True)
+def _train_point(
+    cfg: dict[str, Any], folder: Path, resume: bool, **options: Any
+) -> dict[str, Any] | None:
+    """The run's results (:func:`~experiments.train.train` with ``options``), or None if it
+    diverged."""
     try:
-        return train(cfg, folder, resume)
+        return train(cfg, folder, resume, **options)
     except DivergedError as err:
         print(f"== {folder} diverged: {err}", flush=True)
         return None

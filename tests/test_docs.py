@@ -89,7 +89,7 @@ def test_public_module_declares_all(module):
 
 @pytest.mark.parametrize("page", EXAMPLE_PAGES, ids=_page_id)
 def test_page_examples_run(page, one_thread, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # anything an example writes lands in a scratch folder
+    monkeypatch.chdir(tmp_path)  # a reader runs the examples in a folder of their own
     torch.manual_seed(0)
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for line, code in python_blocks(page):
@@ -97,6 +97,8 @@ def test_page_examples_run(page, one_thread, tmp_path, monkeypatch):
         code = "\n".join(row[indent:] for row in code.splitlines())
         source = "\n" * (line - 1) + code  # tracebacks show the page's own line numbers
         exec(compile(source, str(page), "exec"), namespace)
+    litter = sorted(p.name for p in tmp_path.iterdir())
+    assert not litter, f"the examples wrote {litter} into the current folder: name a folder"
 
 
 def _attribute_docstrings(module: str) -> dict[str, str]:
@@ -153,3 +155,22 @@ def test_public_name_is_in_the_api_reference(module, name):
             f"{m}.{name}" for m in MODULES if getattr(importlib.import_module(m), name, None) is obj
         }
     assert names & _documented(), f"{module}.{name} is missing from docs/api/"
+
+
+ROOT = DOCS.parent
+CITED = ("README.md", "CHANGELOG.md", "docs", "experiments", "liegroup_blr", "tests")
+
+
+def test_nothing_cites_the_design_notes_outside_the_repository():
+    """The design notes are not in the repository: the docs pages hold what is cited."""
+    name = "DESIGN" + ".md"  # not spelt out here, or this file would cite it
+    files = [ROOT / c for c in CITED if (ROOT / c).is_file()]
+    files += [
+        p
+        for c in CITED
+        if (ROOT / c).is_dir()
+        for p in (ROOT / c).rglob("*")
+        if p.suffix in (".py", ".md", ".toml", ".rst") and "_build" not in p.parts
+    ]
+    citing = [p.relative_to(ROOT).as_posix() for p in files if name in p.read_text("utf-8")]
+    assert len(files) > 50 and not citing, citing

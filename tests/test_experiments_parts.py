@@ -1,11 +1,16 @@
-"""Data loading, augmentation, models, sparsity measures and the schedule of the drivers."""
+"""Data loading, augmentation, models, sparsity measures and the schedule of the drivers;
+the command lines of the helper modules and the benchmarks."""
 
 from __future__ import annotations
 
 import gzip
 import math
 import pickle
+import runpy
 import struct
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +42,18 @@ def test_mnist5k_split_is_stratified_in_file_order() -> None:
     assert unit.min() == 0.0 and unit.max() == 1.0
 
 
+def test_mnist5k_is_parsed_once_and_each_load_has_its_own_tensors() -> None:
+    first = data.load_dataset("mnist5k")
+    second = data.load_dataset("mnist5k")
+    assert data._mnist5k_arrays.cache_info().misses <= 1  # one parse per process
+    assert torch.equal(first.train_x, second.train_x) and torch.equal(first.test_y, second.test_y)
+    first.train_y[:10] = 7  # flipping labels in one run (memory maps do) leaves the next alone
+    first.train_x[0] = 255
+    third = data.load_dataset("mnist5k")
+    assert torch.equal(third.train_y, second.train_y) and torch.equal(third.train_x, second.train_x)
+    assert not torch.equal(first.train_y, third.train_y)
+
+
 def test_digits_are_offline_and_scaled() -> None:
     ds = data.load_dataset("digits")
     assert ds.input_shape == (1, 8, 8) and ds.num_classes == 10
@@ -60,6 +77,7 @@ def test_missing_dataset_names_folder_and_files(
         data.load_dataset(name, tmp_path)
     message = str(err.value)
     assert str(tmp_path / folder) in message and some_file in message
+    assert message.endswith(f"Set [data] root to the folder that holds {folder}/.")
 
 
 def test_incomplete_cifar_folder_lists_the_missing_files(tmp_path: Path) -> None:
@@ -304,7 +322,7 @@ def test_lr_factor_by_hand() -> None:
 
 
 # ------------------------------------------------------------------------ benchmarks
-@pytest.mark.parametrize("module", ["step_time", "scale"])
+@pytest.mark.parametrize("module", ["step_time", "scale", "scale_out"])
 def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) -> None:
     """The benchmarks run only by hand; their imports of the library's kernels and their
     command lines are checked here (``--help`` exits before any timing)."""
@@ -315,4 +333,56 @@ def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) 
     with pytest.raises(SystemExit) as exit_:
         bench.main()
     assert exit_.value.code == 0
-    assert "--rounds" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert help_text.startswith(f"usage: python -m experiments.benchmarks.{module} ")
+    assert "--rounds" in help_text
+
+
+# --------------------------------------------------------------- helper modules' commands
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+HELPERS = sorted(
+    p.stem
+    for p in EXPERIMENTS.glob("*.py")
+    if p.stem != "__init__" and "def main(" not in p.read_text(encoding="utf-8")
+)
+
+
+def test_the_helper_modules_are_the_modules_without_a_command() -> None:
+    assert {"cli", "config", "data", "evaluate", "figures", "runfiles", "streams"} <= set(HELPERS)
+    assert not {"train", "compare", "tune", "continual", "memory_map"} & set(HELPERS)
+
+
+def _run_as_main(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """``python -m experiments.MODULE ARGV`` in this process; its exit status."""
+    monkeypatch.setattr("sys.argv", [module, *argv])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
+        warnings.simplefilter("ignore", RuntimeWarning)  # imported already, run again
+        runpy.run_module(f"experiments.{module}", run_name="__main__")
+    return int(exit_.value.code)
+
+
+@pytest.mark.parametrize("module", HELPERS)
+def test_a_helper_module_says_what_it_is_and_which_driver_to_run(
+    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    doc = __import__(f"experiments.{module}", fromlist=["_"]).__doc__
+    assert _run_as_main(module, ["--help"], monkeypatch) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"experiments.{module}: a part of the experiment drivers")
+    assert doc.strip().splitlines()[0] in text
+    assert "Run a driver instead:\n    python -m experiments." in text
+    for argv in ([], ["CONFIG.toml"], ["--out", "x"]):  # anything else: the same, exit 2
+        assert _run_as_main(module, argv, monkeypatch) == 2
+        assert capsys.readouterr().err == f"error: {text}"
+
+
+def test_a_helper_module_answers_on_the_real_command_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", "--help"],
+        cwd=EXPERIMENTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert "python -m experiments.train CONFIG.toml" in done.stdout

@@ -46,10 +46,10 @@ def test_tuning_trains_every_point_on_held_out_examples_and_chooses_the_best(
 ) -> None:
     real_train = train.train
 
-    def diverging(cfg: dict[str, Any], out: Path, resume: bool = False) -> dict[str, Any]:
+    def diverging(cfg: dict[str, Any], out: Path, resume: bool, **options: Any) -> dict[str, Any]:
         if "sgd.3" in str(out):  # lr 0.3, prior precision 1: made to diverge
             raise train.DivergedError("diverged")
-        return real_train(cfg, out, resume)
+        return real_train(cfg, out, resume, **options)
 
     monkeypatch.setattr(tune, "train", diverging)
     results = tune.tune(copy.deepcopy(TINY), tmp_path)

@@ -83,7 +83,8 @@ def _random_base(group: LieGroup, shape: Shape, gen: torch.Generator) -> Tensor:
 
 # ------------------------------------------------------------------ algebra gradient
 def _expected_algebra_gradient(group: LieGroup, g: Tensor, xi: Tensor, gt: Tensor) -> Tensor:
-    """Hand-derived ∇_X ℓ(θ(X)) at X = 0 (DESIGN.md §1)."""
+    """Hand-derived ∇_X ℓ(θ(X)) at X = 0 (docs/concepts.md, "The reparameterised gradient" and
+    "The three built-in groups")."""
     if isinstance(group, AdditiveGroup):
         return gt
     if isinstance(group, MultiplicativeGroup) and group.signed:

@@ -170,9 +170,9 @@ def test_affine_kernels_follow_the_group(zero_scale_momentum):
 @pytest.mark.parametrize("functional", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_affine_commit_with_two_step_sizes_is_the_documented_update(functional, dtype):
-    """b ← b + A M_V (e^{−α₁M_U} − 1)/M_U and A ← A e^{−α₂M_U} (DESIGN, affine group), in
-    the functional form (compiled steps) and the in-place form (eager steps) alike, at and
-    near the limit φ(0) = 1."""
+    """b ← b + A M_V (e^{−α₁M_U} − 1)/M_U and A ← A e^{−α₂M_U} (docs/concepts.md, the
+    diagonal affine group), in the functional form (compiled steps) and the in-place form
+    (eager steps) alike, at and near the limit φ(0) = 1."""
     gen = torch.Generator().manual_seed(3)
     A, b = _randn(*SHAPE, gen=gen).abs() + 0.2, _randn(*SHAPE, gen=gen)
     mom = 0.3 * _randn(2, *SHAPE, gen=gen)

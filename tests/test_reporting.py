@@ -147,7 +147,7 @@ def test_learning_curves_draw_one_colour_and_band_per_rule(
         ]
 
     histories = {"sgd": [rows(0.0), rows(0.01), rows(0.02)], "affine": [rows(0.1)] * 3}
-    figures.learning_curves(histories, tmp_path / "curves.png")
+    figures.learning_curves(histories, tmp_path / "curves.png", "constructed")
     ax_acc = drawn[0].axes[0]
     lines = ax_acc.get_lines()
     assert [line.get_label() for line in lines] == ["sgd (3 seeds)", "affine (3 seeds)"]
@@ -161,7 +161,7 @@ def test_learning_curves_draw_one_colour_and_band_per_rule(
     top = bands[0].get_paths()[0].vertices[:, 1].max()
     assert top == pytest.approx(81.0 + 1.0)  # mean + sd of (80, 81, 82)
     with pytest.raises(ValueError, match="different epochs"):
-        figures.learning_curves({"sgd": [rows(0.0), rows(0.0)[:2]]}, tmp_path / "bad.png")
+        figures.learning_curves({"sgd": [rows(0.0), rows(0.0)[:2]]}, tmp_path / "bad.png", "x")
 
 
 # --------------------------------------------------------------------- seeds summary

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import compare, data, train
+from experiments import compare, data, train, tune
+from experiments import config as config_module
 from liegroup_blr import predictive
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +90,7 @@ def evaluate_without_figures(
     test: list[tuple[torch.Tensor, torch.Tensor]],
     cfg: dict[str, Any],
     out: Path,
+    title: str,
 ) -> dict[str, Any]:
     """The final evaluation at g with one small file for the figures (matplotlib would take
     most of the time of the sweep)."""
@@ -577,6 +579,148 @@ def test_compare_labels_stay_inside_out(
     assert compare.main([str(write_config(tmp_path / "c.json", raw)), "--out", str(out)]) == 2
     assert "label" in one_error_line(capsys)
     assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_checks_every_run_before_any_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value only the optimizer checks, in the last run: one line naming the run, before
+    the first run trains, and no folder made."""
+
+    def no_training(*args: Any) -> float:
+        raise AssertionError("a run trained before every run was checked")
+
+    monkeypatch.setattr(train, "train_epoch", no_training)
+    good = {"sgd": {"name": "sgd", "lr": 0.05}, "additive": {"name": "additive", "lr": 0.05}}
+    cases = [
+        (
+            {"affine": {"name": "affine", "lr": -0.5, "scale_lr": 0.05}},
+            "[runs.affine]: lr: must lie in (0.0, inf), got -0.5",
+        ),
+        (
+            {"mult": {"name": "multiplicative", "lr": 1.0, "momentum": 1.0}},
+            "[runs.mult]: momentum: must lie in [0.0, 1.0), got 1.0",
+        ),
+        (
+            {"ivon": {"name": "ivon", "lr": 0.1, "beta2": 1.5}},
+            "[runs.ivon]: [optimizer].beta2 of ivon must be in [0, 1), got 1.5",
+        ),
+    ]
+    for bad, message in cases:
+        path = write_config(tmp_path / "c.json", comparison(**good, **bad))
+        out = tmp_path / "cmp"
+        assert compare.main([str(path), "--out", str(out)]) == 2
+        assert one_error_line(capsys) == f"error: {message}"
+        assert not out.exists()
+    raw = comparison(**good)
+    raw["runs"]["big"] = {"optimizer": good["sgd"], "data": {"batch_size": 64}}  # 32 examples
+    assert compare.main([str(write_config(tmp_path / "c.json", raw)), "--out", str(out)]) == 2
+    assert one_error_line(capsys).startswith("error: [runs.big]: [data].batch_size 64 exceeds")
+    assert not out.exists()
+
+
+def test_tune_checks_every_grid_point_before_any_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(train, "train_epoch", None)  # calling it fails the test
+    raw = comparison(sgd={"name": "sgd"})
+    raw["data"]["validation"] = 8
+    raw["runs"]["sgd"]["grid"] = {"lr": [0.1, -0.5]}
+    out = tmp_path / "tuning"
+    assert tune.main([str(write_config(tmp_path / "t.json", raw)), "--out", str(out)]) == 2
+    assert one_error_line(capsys) == "error: [runs.sgd.1]: Invalid learning rate: -0.5"
+    assert not out.exists()
+
+
+def two_runs(additive_lr: float = 0.05) -> dict[str, Any]:
+    """SGD, then the additive rule, over three epochs."""
+    raw = comparison(
+        sgd={"name": "sgd", "lr": 0.05}, additive={"name": "additive", "lr": additive_lr}
+    )
+    raw["schedule"] = {"epochs": 3}
+    return raw
+
+
+def interrupted(
+    raw: dict[str, Any], out: Path, epoch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compare`` of ``raw`` into ``out`` stopped in the additive rule's ``epoch`` (0-based),
+    after the earlier epochs' checkpoints."""
+    real = train.train_epoch
+
+    def stopping(run: train.Run, e: int) -> float:
+        if run.cfg["optimizer"]["name"] == "additive" and e == epoch:
+            raise Interrupted
+        return real(run, e)
+
+    monkeypatch.setattr(train, "train_epoch", stopping)
+    with pytest.raises(Interrupted):
+        compare.compare(raw, out)
+    monkeypatch.setattr(train, "train_epoch", real)
+
+
+def fresh(raw: dict[str, Any], label: str, out: Path) -> dict[str, Any]:
+    """The results and metrics rows of ``raw``'s run ``label`` trained alone into ``out``."""
+    cfg = config_module.split_runs({**raw, "seed": 0})[label]
+    return {"results": train.train(cfg, out), "rows": metrics(out)}
+
+
+def test_resume_takes_changes_to_runs_that_have_not_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "cmp"
+    interrupted(two_runs(), out, 0, monkeypatch)  # the additive run has not trained an epoch
+    sgd = (out / "sgd" / "seed0" / "checkpoint.pt").read_bytes()
+    changed = two_runs(additive_lr=0.1)
+    results = compare.compare(changed, out, resume=True)
+    assert (out / "sgd" / "seed0" / "checkpoint.pt").read_bytes() == sgd  # not trained again
+    alone = fresh(changed, "additive", tmp_path / "alone")
+    assert without_times(results["additive"]["per_seed"]["0"]) == without_times(alone["results"])
+    assert without_times(metrics(out / "additive" / "seed0")) == without_times(alone["rows"])
+    assert json.loads((out / "config.json").read_text())["additive"]["0"]["optimizer"]["lr"] == 0.1
+    # a finished comparison takes more seeds, and keeps the runs it has
+    more = compare.compare(changed, out, resume=True, seeds=[0, 1])
+    assert more["sgd"]["seeds"] == [0, 1]
+    assert (out / "sgd" / "seed0" / "checkpoint.pt").read_bytes() == sgd
+
+
+def test_a_changed_half_finished_run_starts_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "cmp"
+    interrupted(two_runs(), out, 2, monkeypatch)  # two of the additive run's epochs saved
+    assert torch.load(out / "additive" / "seed0" / "checkpoint.pt", weights_only=True)["epoch"] == 2
+    changed = two_runs(additive_lr=0.1)
+    capsys.readouterr()
+    results = compare.compare(changed, out, resume=True)
+    printed = capsys.readouterr().out
+    assert "== run 'additive', seed 0: its config changed, it starts again\n" in printed
+    assert "its config changed" not in printed.replace("'additive', seed 0: its config", "")
+    alone = fresh(changed, "additive", tmp_path / "alone")
+    assert without_times(results["additive"]["per_seed"]["0"]) == without_times(alone["results"])
+    assert without_times(metrics(out / "additive" / "seed0")) == without_times(alone["rows"])
+
+
+def test_resume_refuses_to_change_or_drop_what_has_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "cmp"
+    interrupted(two_runs(), out, 2, monkeypatch)
+    written = (out / "config.json").read_bytes()
+    finished_changed = two_runs()
+    finished_changed["runs"]["sgd"]["optimizer"]["lr"] = 0.1
+    dropped = two_runs()
+    del dropped["runs"]["additive"]
+    for raw, named in (
+        (finished_changed, "'sgd' seed 0 (finished)"),
+        (dropped, "'additive' seed 0 (started, dropped)"),
+    ):
+        path = write_config(tmp_path / "c.json", raw)
+        assert compare.main([str(path), "--out", str(out), "--resume"]) == 2
+        line = one_error_line(capsys)
+        assert f"the config changes run(s) {named} of {out}" in line
+        assert (out / "config.json").read_bytes() == written
+    assert torch.load(out / "additive" / "seed0" / "checkpoint.pt", weights_only=True)["epoch"] == 2
 
 
 # ---------------------------------------------------------------------------------- data

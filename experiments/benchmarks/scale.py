@@ -242,7 +242,9 @@ def memory() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmarks.scale", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(

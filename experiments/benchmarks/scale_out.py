@@ -148,7 +148,9 @@ def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmarks.scale_out", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()

@@ -258,7 +258,9 @@ def run(model_name: str, rounds: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmarks.step_time", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median)")
     parser.add_argument("--steps", type=int, default=10, help="calls per round")
     parser.add_argument(

@@ -1,0 +1,300 @@
+"""The numbers on the documentation pages, generated from committed result summaries.
+
+    python -m experiments.docs_tables summarise RESULTS_FOLDER [--name NAME]
+    python -m experiments.docs_tables write
+    python -m experiments.docs_tables check
+
+``summarise`` turns the results folder of a driver (compare's, continual's and memory_map's
+``results.json``, tune's ``tuned.json``) into ``docs/results/NAME.json`` (NAME: the folder's
+name): per run label its seeds and every number of its results as ``{"mean", "sd",
+"values"}`` (the sample standard deviation over the seeds, None for one seed) under a dotted
+key such as ``point.accuracy``, ``sparsity.average.hoyer`` or ``ood.noise.point`` (tune: per
+grid point ``I.average.nll``, ``I.values.lr``, and ``chosen``).
+
+``write`` regenerates what README.md and the pages under docs/ quote from those summaries
+between markers; ``check`` exits with 1 and names every page whose quotes are stale. A table
+of :data:`TABLES` sits between
+
+    <!-- table NAME -->
+    ...
+    <!-- end table -->
+
+and one number in a sentence between ``<!-- n SUMMARY LABEL KEY FORMAT -->`` and
+``<!-- /n -->``, FORMAT ``FACTOR:DECIMALS`` (the mean), ``FACTOR:DECIMALS±`` (mean ± sd) or
+``FACTOR:DECIMALS,`` (the per-seed values): ``<!-- n cpu_default sgd point.accuracy 100:1± -->``
+gives ``91.6 ± 0.2``. The markers are HTML comments, which neither Sphinx nor GitHub shows; a
+number's marker must not begin a line (Markdown would read the line as HTML), and a marker
+right after a backtick (in a code span) is an example, left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments import runfiles
+from experiments.compare import summarise
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout: its README.md, docs/ and docs/results/."""
+STAT = {"mean", "sd", "values"}
+
+TABLE = re.compile(r"(?<!`)<!-- table (?P<name>\S+) -->\n(?P<body>.*?)<!-- end table -->", re.S)
+NUMBER = re.compile(  # a marker in a code span (after a backtick) is an example, left alone
+    r"(?<!`)<!-- n (?P<summary>\S+) (?P<label>\S+) (?P<key>\S+) (?P<format>\S+) -->"
+    r"(?P<text>.*?)<!-- /n -->",
+    re.S,
+)
+FORMAT = re.compile(r"(?P<factor>[0-9.e+-]+):(?P<decimals>[0-9]+)(?P<kind>[±,]?)")
+
+
+# --------------------------------------------------------------------------- summaries
+def flatten(obj: Any, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """Every number of ``obj`` by dotted key: a ``{"mean", "sd", "values"}`` leaf as it is, a
+    bare number as the summary of one value; strings, booleans and None are left out."""
+    if isinstance(obj, dict) and set(obj) == STAT:
+        return {prefix: obj}
+    if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        return {prefix: {"mean": float(obj), "sd": None, "values": [float(obj)]}}
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else []
+    )
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in items:
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _tuned(folder: Path) -> dict[str, Any]:
+    """Per label of a tuning: the chosen point and each point's values and summarised runs."""
+    config = runfiles.read_json(folder / "config.json")
+    labels = {}
+    for label, res in runfiles.read_json(folder / "tuned.json").items():
+        numbers: dict[str, Any] = {"chosen": res["chosen"]}
+        for i, point in enumerate(res["points"]):
+            runs = point["runs"]
+            numbers[str(i)] = {"values": point["values"]}
+            if all(r is not None for r in runs):
+                numbers[str(i)].update(summarise(runs))
+            else:
+                numbers[str(i)]["diverged"] = 1
+        seeds = [int(s) for s in config[f"{label}.0"]]
+        labels[label] = {"seeds": seeds, "metrics": flatten(numbers)}
+    return labels
+
+
+def summarise_folder(folder: Path) -> dict[str, Any]:
+    """The summary of a results folder (see the module's docstring)."""
+    if (folder / "tuned.json").exists():
+        return {"config": folder.name, "source": "tuned.json", "labels": _tuned(folder)}
+    if not (folder / "results.json").exists():
+        raise runfiles.RunError(f"{folder} holds no results.json or tuned.json of a driver")
+    labels = {}
+    for label, res in runfiles.read_json(folder / "results.json").items():
+        seeds = res.get("seeds") or [int(s) for s in res["per_seed"]]
+        labels[label] = {"seeds": seeds, "metrics": flatten(res["summary"])}
+    return {"config": folder.name, "source": "results.json", "labels": labels}
+
+
+def load_summaries(folder: Path) -> dict[str, dict[str, Any]]:
+    """The summaries in ``folder``: name → summary (none if the folder does not exist)."""
+    paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    return {path.stem: runfiles.read_json(path) for path in paths}
+
+
+def stat(summaries: Mapping[str, Any], name: str, label: str, key: str) -> dict[str, Any]:
+    """One number of a summary, or a ValueError naming what is missing."""
+    if name not in summaries:
+        raise ValueError(f"no summary {name!r} in docs/results/ (have {sorted(summaries)})")
+    labels = summaries[name]["labels"]
+    if label not in labels:
+        raise ValueError(f"summary {name!r} has no run {label!r} (have {sorted(labels)})")
+    metrics = labels[label]["metrics"]
+    if key not in metrics:
+        raise ValueError(f"summary {name!r}, run {label!r} has no number {key!r}")
+    return metrics[key]
+
+
+# ----------------------------------------------------------------------------- quoting
+def number(leaf: Mapping[str, Any], spec: str) -> str:
+    """A summary leaf as ``spec`` says (see the module's docstring)."""
+    match = FORMAT.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"number format {spec!r}: write FACTOR:DECIMALS, then ± or , or nothing")
+    factor, decimals = float(match["factor"]), int(match["decimals"])
+    if match["kind"] == ",":
+        return ", ".join(f"{factor * v:.{decimals}f}" for v in leaf["values"])
+    mean = f"{factor * leaf['mean']:.{decimals}f}"
+    if match["kind"] == "±" and leaf["sd"] is not None:
+        return f"{mean} ± {factor * leaf['sd']:.{decimals}f}"
+    return mean
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A column of numbers: ``key`` in a summary (``{est}``: the row's estimate), shown as
+    :func:`number` with ``FACTOR:DECIMALS±``."""
+
+    header: str
+    key: str
+    factor: float = 1.0
+    decimals: int = 3
+
+
+@dataclass(frozen=True)
+class Table:
+    """A Markdown table of the summary ``summary``: text columns (header, alignment ``---``
+    or ``---:``), then ``metrics``; one row per (label, estimate, text cells)."""
+
+    summary: str
+    text: tuple[tuple[str, str], ...]
+    rows: tuple[tuple[str, str, tuple[str, ...]], ...]
+    metrics: tuple[Metric, ...]
+
+
+def table(spec: Table, summaries: Mapping[str, Any]) -> str:
+    """The Markdown of ``spec`` with the numbers of ``summaries``."""
+    head = [h for h, _ in spec.text] + [m.header for m in spec.metrics]
+    align = [a for _, a in spec.text] + ["---:"] * len(spec.metrics)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    for label, estimate, cells in spec.rows:
+        values = [
+            number(
+                stat(summaries, spec.summary, label, m.key.format(est=estimate)),
+                f"{m.factor:g}:{m.decimals}±",
+            )
+            for m in spec.metrics
+        ]
+        lines.append("| " + " | ".join([*cells, *values]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render(text: str, summaries: Mapping[str, Any], tables: Mapping[str, Table]) -> str:
+    """``text`` with every marked table and number regenerated from ``summaries``."""
+
+    def fill_table(m: re.Match[str]) -> str:
+        if m["name"] not in tables:
+            raise ValueError(f"no table {m['name']!r} in experiments.docs_tables.TABLES")
+        return (
+            f"<!-- table {m['name']} -->\n{table(tables[m['name']], summaries)}<!-- end table -->"
+        )
+
+    def fill_number(m: re.Match[str]) -> str:
+        if not text[text.rfind("\n", 0, m.start()) + 1 : m.start()].strip():
+            raise ValueError(
+                f"{m[0][:60]!r} begins a line, where Markdown reads it as a block of HTML: "
+                "move it after a word"
+            )
+        value = number(stat(summaries, m["summary"], m["label"], m["key"]), m["format"])
+        return m[0][: m.start("text") - m.start()] + value + "<!-- /n -->"
+
+    return NUMBER.sub(fill_number, TABLE.sub(fill_table, text))
+
+
+# ------------------------------------------------------------------- the pages' tables
+PREDICTIVE = (
+    Metric("accuracy (%)", "{est}.accuracy", 100.0, 1),
+    Metric("NLL", "{est}.nll"),
+    Metric("ECE", "{est}.ece"),
+    Metric("Brier", "{est}.brier"),
+)
+SPARSITY = (
+    Metric("max abs w", "sparsity.{est}.max_abs", 1.0, 2),
+    Metric("median abs w", "sparsity.{est}.median_abs", 1.0, 4),
+    Metric("near 0 (%)", "sparsity.{est}.near_zero", 100.0, 2),
+    Metric("below 1e-3 max (%)", "sparsity.{est}.near_zero_max", 100.0, 1),
+    Metric("Hoyer", "sparsity.{est}.hoyer"),
+)
+OOD = tuple(Metric(s, f"ood.{s}.{{est}}") for s in ("rotated", "permuted", "noise"))
+RULE_ESTIMATE = (("rule", "---"), ("estimate", "---"))
+CPU_DEFAULT_ROWS = tuple(
+    (rule, est, (rule, "at g" if est == "point" else "average of 32"))
+    for rule in ("sgd", "additive", "multiplicative", "affine", "ivon")
+    for est in ("point", "average")
+    if rule != "sgd" or est == "point"
+)
+README_RULES = {
+    "sgd": ("SGD", "1"),
+    "additive": ("additive (σ = 10⁻³)", "4"),
+    "multiplicative": ("multiplicative", "4"),
+    "affine": ("affine (Gaussian)", "1"),
+    "ivon": ("IVON", "1"),
+}
+
+TABLES: dict[str, Table] = {
+    "cpu_default/predictive": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, PREDICTIVE),
+    "cpu_default/sparsity": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, SPARSITY),
+    "cpu_default/ood": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, OOD),
+    "readme/cpu_default": Table(
+        "cpu_default",
+        (("rule", "---"), ("samples per step", "---:"), ("estimate", "---")),
+        tuple(
+            (rule, est, (*README_RULES[rule], "at g" if est == "point" else "average"))
+            for rule, est, _ in CPU_DEFAULT_ROWS
+        ),
+        PREDICTIVE[:3],
+    ),
+}
+"""The tables the pages can quote, by the name their markers give."""
+
+
+# ------------------------------------------------------------------------ the command
+def pages(root: Path) -> Iterator[Path]:
+    """README.md and the Markdown pages under docs/ of the checkout ``root``."""
+    yield root / "README.md"
+    yield from sorted(p for p in (root / "docs").rglob("*.md") if "_build" not in p.parts)
+
+
+def stale(root: Path) -> dict[Path, str]:
+    """The pages of the checkout ``root`` whose quotes differ from its summaries
+    (docs/results/), with their regenerated text."""
+    summaries = load_summaries(root / "docs" / "results")
+    out = {}
+    for page in pages(root):
+        text = page.read_text(encoding="utf-8")
+        new = render(text, summaries, TABLES)
+        if new != text:
+            out[page] = new
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.docs_tables",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    summarise = commands.add_parser("summarise", help="a results folder → docs/results/NAME.json")
+    summarise.add_argument("folder", type=Path, help="a driver's output folder")
+    summarise.add_argument("--name", help="the summary's name (default: the folder's)")
+    commands.add_parser("write", help="regenerate the quotes of README.md and docs/")
+    commands.add_parser("check", help="exit 1 if a page's quotes are stale")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "summarise":
+            folder = ROOT / "docs" / "results"
+            path = folder / f"{args.name or args.folder.resolve().name}.json"
+            summary = summarise_folder(args.folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            runfiles.write_json(path, summary)
+            print(f"wrote {path.relative_to(ROOT)}")
+            return 0
+        changed = stale(ROOT)
+    except (ValueError, OSError, runfiles.RunError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for page, text in changed.items():
+        if args.command == "write":
+            runfiles.write_text(page, text)
+        print(f"{'wrote' if args.command == 'write' else 'stale'}: {page.relative_to(ROOT)}")
+    return 1 if changed and args.command == "check" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
