@@ -130,10 +130,28 @@ def _cell(leaf: dict[str, Any], factor: float, decimals: int) -> str:
     return mean if leaf["sd"] is None else f"{mean} ± {factor * leaf['sd']:.{decimals}f}"
 
 
+ESTIMATES = ("point", "mean", "average")
+"""The estimates a run's results hold: at g, at the posterior mean E[θ] (where it is another
+point), the model average."""
+
+
 def _estimate_label(estimate: str, res: dict[str, Any], samples: int) -> str:
     if estimate == "point":
         return "at g"
+    if estimate == "mean":
+        return "at the mean"
     return f"average of {samples}" if res["has_posterior"] else "average †"
+
+
+def _has(summary: dict[str, Any], columns: list[Column], estimate: str) -> bool:
+    """Whether the results hold ``estimate`` for every column (the mean only where it is
+    another point than g, and not for the sparsity measures)."""
+    try:
+        for _, get, _, _ in columns:
+            get(summary, estimate)
+    except KeyError:
+        return False
+    return True
 
 
 def _table(
@@ -147,7 +165,9 @@ def _table(
     head = ["run", "estimate", *seed_col] + [h for h, _, _, _ in columns]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for label, res in results.items():
-        for est in ("point", "average"):
+        for est in ESTIMATES:
+            if not _has(res["summary"], columns, est):
+                continue
             name = _estimate_label(est, res["summary"], samples[label])
             if not per_seed:
                 cells = [_cell(get(res["summary"], est), f, d) for _, get, f, d in columns]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import liegroup_blr as lgb
 from experiments import figures, ood
 from experiments.sparsity import NEAR_ZERO, first_layer, init_scale, sparsity
 from liegroup_blr import predictive
@@ -32,8 +33,9 @@ def evaluate(
     *,
     title: str,
 ) -> dict[str, Any]:
-    """Metrics at the point estimate g and of the Bayesian model average; writes the figures,
-    each titled ``title`` (the run: config, rule, seed) and what it shows.
+    """Metrics at the point estimate g, at the posterior mean E[θ] where it is another point
+    (``"mean"``: the multiplicative rule's E[ξ](g⁺ − g⁻)) and of the Bayesian model average;
+    writes the figures, each titled ``title`` (the run: config, rule, seed) and what it shows.
 
     ``cfg`` is the resolved ``[eval]`` table: ``samples`` posterior samples for the model
     average, ``bins`` for the ECE, ``sparsity_samples`` for the sample-averaged sparsity.
@@ -55,6 +57,12 @@ def evaluate(
         "point": predictive.metrics(point, labels, bins),
         "average": predictive.metrics(average, labels, bins),
     }
+    mean = posterior_mean(model, optimizer)
+    if mean is not None:
+        with mean.at_point_estimate(model):
+            results["mean"] = predictive.metrics(
+                predictive.predictive_log_probs(model, inputs), labels, bins
+            )
     averaged = f"model average, {cfg['samples']} samples" if has_posterior else "no posterior: at g"
     figures.reliability_diagram(
         {
@@ -73,6 +81,28 @@ def evaluate(
     plot_first_layer(model, optimizer, inputs[0][0], out, title)
     plot_weight_magnitudes(model, optimizer, out / "weights.png", title)
     return results
+
+
+def posterior_mean(model: nn.Module, optimizer: Any) -> lgb.Posterior | None:
+    """The optimizer's posterior read at its mean, E[θ] = readout(g·E[ξ]), where that is not
+    its point estimate at g (a base whose mean is not the group's reference point: the
+    multiplicative rule's Rayleigh); ``None`` otherwise (also without a Lie-group
+    posterior)."""
+    if lgb.optim.unwrap(optimizer) is None:
+        return None
+    post = lgb.Posterior.from_optimizer(optimizer, model)
+    if post.point_estimate == "mean":
+        return None
+    mean = lgb.Posterior(
+        dict(post.items()),
+        point_estimate="mean",
+        fused=post.fused,
+        missing=post.missing,
+        size=post.size,
+    )
+    at_g, at_mean = post.point_estimates(), mean.point_estimates()
+    same = all(torch.equal(at_g[k], at_mean[k]) for k in at_g)
+    return None if same else mean
 
 
 def out_of_distribution(
@@ -94,26 +124,39 @@ def out_of_distribution(
     sizes = [sum(len(x) for x in inputs)] + [sum(len(x) for x in b) for b in shifted.values()]
     names = ["test inputs", *shifted]
     estimates = {"point": predictive.predictive_log_probs(model, pooled)}
+    mean = posterior_mean(model, optimizer)
+    if mean is not None:
+        with mean.at_point_estimate(model):
+            estimates["mean"] = predictive.predictive_log_probs(model, pooled)
     if hasattr(optimizer, "sampled_params"):
         estimates["average"] = predictive.predictive_log_probs(model, pooled, optimizer, samples)
     entropies = {
         est: dict(zip(names, ood.entropy(log_p).split(sizes), strict=True))
         for est, log_p in estimates.items()
     }
-    titles = {"point": "at g", "average": f"model average, {samples} samples"}
+    titles = {
+        "point": "at g",
+        "mean": "at the posterior mean E[θ]",
+        "average": f"model average, {samples} samples",
+    }
     figures.entropy_histograms(
         {titles[est]: ent for est, ent in entropies.items()},
         out / "ood.png",
         f"{title}: predictive entropy, test inputs and shifted ones",
     )
     average = entropies.get("average", entropies["point"])  # no posterior: the point estimate
-    return {
+    aurocs = {
         name: {
             "point": ood.auroc(entropies["point"]["test inputs"], entropies["point"][name]),
             "average": ood.auroc(average["test inputs"], average[name]),
         }
         for name in shifted
     }
+    if "mean" in entropies:
+        at_mean = entropies["mean"]
+        for name in shifted:
+            aurocs[name]["mean"] = ood.auroc(at_mean["test inputs"], at_mean[name])
+    return aurocs
 
 
 def plot_weight_magnitudes(

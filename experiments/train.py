@@ -552,7 +552,9 @@ def _epoch_row(
 
 
 def _show(results: dict[str, Any], out: Path) -> None:
-    for estimate in ("point", "average"):
+    for estimate in ("point", "mean", "average"):
+        if estimate not in results:
+            continue
         m = results[estimate]
         print(
             f"{estimate:>8}: accuracy {100 * m['accuracy']:.2f}%, NLL {m['nll']:.4f}, "

@@ -487,3 +487,82 @@ def test_manual_optimization_through_self_optimizers_equals_the_plain_loop(
     assert_same(elements(optimizer, model.net), elements(reference, net))
     assert_moved(initial, elements(reference, net))
     assert len(model.recorder.train_weights()) == mc_samples
+
+
+# ------------------------------------------------------- writes to the parameters
+@pytest.mark.parametrize("between_steps", ["point", "sample"])
+def test_a_callback_that_clamps_the_weights_after_every_step_is_not_undone(between_steps):
+    """A Lightning callback that clamps the weights to ±0.05 after each batch: the posterior's
+    location stays clamped (on the old main the optimizer undid the clamp at every step)."""
+    import lightning.pytorch as pl
+
+    class Clamp(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.clamp_(-0.05, 0.05)
+
+    model = classifier(additive(between_steps))
+    with pytest.warns(UserWarning, match="written outside the optimizer"):
+        trainer = fit(model, [blr_callback(), Clamp()], max_epochs=2)
+    optimizer, bound = trainer.optimizers[0], torch.tensor(0.05)  # in float32
+    for p in model.net.parameters():  # after fit: the point estimate, clamped
+        assert bool(p.abs().max() <= bound)
+        assert bool(optimizer.group_element(p)["m"].abs().max() <= bound)
+
+
+def blr_callback(**options: Any) -> Any:
+    from liegroup_blr.integrations.lightning import BLRCallback
+
+    return BLRCallback(**options)
+
+
+def _loss_at(state_dict: dict[str, Tensor], x: Tensor, y: Tensor) -> float:
+    net = make_net()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in state_dict.items()})
+    with torch.no_grad():
+        return cross_entropy(net, x, y).item()
+
+
+@pytest.mark.parametrize("between_steps", ["point", "sample"])
+def test_test_and_validate_with_the_best_checkpoint_score_that_checkpoint(tmp_path, between_steps):
+    """``trainer.test(ckpt_path="best")`` / ``validate(ckpt_path="best")``: Lightning loads the
+    best checkpoint's weights; with BLRCallback they are the point estimate evaluated (on the
+    old main the callback wrote the last point estimate over them)."""
+    import lightning.pytorch as pl
+
+    x, y = task()
+    val = loader(*task(BATCH, seed=1))
+    best = pl.callbacks.ModelCheckpoint(tmp_path, monitor="val_loss", mode="max")  # not the last
+    model = classifier(additive(between_steps))
+    trainer = fit(model, [blr_callback(), best], val=val, max_epochs=3, enable_checkpointing=True)
+    checkpoint = torch.load(best.best_model_path, weights_only=False)
+    last = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = _loss_at(checkpoint["state_dict"], x, y)
+    assert abs(expected - _loss_at(last, x, y)) > 1e-3  # the best is not the last
+    with pytest.warns(UserWarning, match="written outside the optimizer"):
+        (tested,) = trainer.test(model, loader(x, y), ckpt_path="best", verbose=False)
+    assert tested["test_loss"] == pytest.approx(expected, rel=1e-6)
+    (validated,) = trainer.validate(model, loader(x, y), ckpt_path="best", verbose=False)
+    assert validated["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("between_steps", ["point", "sample"])
+def test_stochastic_weight_averaging_keeps_its_average(between_steps):
+    """Lightning's StochasticWeightAveraging copies its average into the module at the end of
+    fit: it stands (in sample mode the old main overwrote it with the point estimate) and
+    validate() scores it (the old main scored the point estimate)."""
+    import lightning.pytorch as pl
+
+    x, y = task()
+    swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1)
+    model = classifier(additive(between_steps))
+    with pytest.warns(UserWarning, match="written outside the optimizer"):
+        trainer = fit(model, [blr_callback(), swa], max_epochs=4)
+        (validated,) = trainer.validate(model, loader(x, y), verbose=False)
+    assert swa._average_model is not None
+    average = dict(swa._average_model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), average[name].detach()), name
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    assert validated["val_loss"] == pytest.approx(_loss_at(state, x, y), rel=1e-6)

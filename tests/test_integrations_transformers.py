@@ -323,6 +323,130 @@ def test_the_callback_leaves_the_point_estimate_and_a_second_train_continues_exa
     assert_same(elements(optimizer, model.net), elements(reference, net))
 
 
+# -------------------------------------------- best checkpoints, callback checkpoints
+def _loss_at(weights: dict[str, Tensor]) -> float:
+    net = make_net()
+    net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items()})
+    x, y = task(BATCH)
+    with torch.no_grad():
+        return nn.functional.cross_entropy(net(x), y).item()
+
+
+BEST = {  # "best" is the highest eval loss: never the last checkpoint here
+    "eval_strategy": "steps",
+    "eval_steps": 1,
+    "save_strategy": "steps",
+    "save_steps": 1,
+    "load_best_model_at_end": True,
+    "metric_for_best_model": "loss",
+    "greater_is_better": True,
+}
+
+
+def test_load_best_model_at_end_evaluates_and_saves_the_best_checkpoint(tmp_path):
+    """``BLRTrainer`` with ``load_best_model_at_end``: the Trainer loads the best checkpoint's
+    weights, which are then evaluated and saved (on the old main: the last point estimate)."""
+    from safetensors.torch import load_file
+
+    model = MLP()
+    trainer = trainer_for(model, additive()(model.parameters()), tmp_path / "run", **BEST)
+    trainer.train()
+    best = load_file(Path(trainer.state.best_model_checkpoint) / "model.safetensors")
+    last = load_file(tmp_path / "run" / f"checkpoint-{STEPS}" / "model.safetensors")
+    assert abs(_loss_at(best) - _loss_at(last)) > 1e-4
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(_loss_at(best), rel=1e-6)
+    trainer.save_model(str(tmp_path / "final"))
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    assert all(torch.equal(saved[k], best[k]) for k in best)
+
+
+def test_the_callback_saves_and_evaluates_the_point_estimate_during_training(tmp_path):
+    """A plain ``Trainer`` with ``BLRTrainerCallback``: every checkpoint holds the point
+    estimate (the old main saved a training sample, and with ``load_best_model_at_end``
+    restored one as "best"), evaluations run there, and training is the plain loop's."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from liegroup_blr.integrations.transformers import BLRTrainerCallback
+
+    class Points(transformers.TrainerCallback):
+        seen: dict[int, Tensor] = {}  # noqa: RUF012
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.seen[state.global_step] = point_weights(
+                kwargs["optimizer"].optimizer, model.net[0]
+            )
+
+    model = MLP()
+    optimizer = additive()(model.parameters())
+    trainer = in_order(transformers.Trainer)(
+        model=model,
+        args=arguments(tmp_path, **BEST),
+        train_dataset=dataset(),
+        eval_dataset=dataset()[:BATCH],
+        optimizers=(optimizer, None),
+        callbacks=[Points(), BLRTrainerCallback()],
+    )
+    trainer.train()
+    for step in range(1, STEPS + 1):
+        saved = load_file(tmp_path / f"checkpoint-{step}" / "model.safetensors")
+        assert torch.equal(saved["net.0.weight"], Points.seen[step]), step
+    evaluated = model.recorder.eval_weights()
+    assert len(evaluated) == STEPS  # one evaluation after each step, each at the point
+    assert all(torch.equal(w, Points.seen[s]) for s, w in enumerate(evaluated, 1))
+    best = load_file(Path(trainer.state.best_model_checkpoint) / "model.safetensors")
+    assert torch.equal(model.net[0].weight, best["net.0.weight"])  # a point estimate
+    net = make_net()
+    points = plain_loop(net, additive()(net.parameters()))  # the same training
+    assert all(torch.equal(points[s], Points.seen[s]) for s in range(1, STEPS + 1))
+
+
+def test_weight_decay_in_the_trainers_param_groups_is_the_gaussian_prior(tmp_path):
+    """``optimizer_cls_and_kwargs`` with ``TrainingArguments(weight_decay=0.1)``: the decayed
+    group's gradient gains 0.1·θ, the prior N(0, 1/(0.1 N)) (the old main ignored it, bit for
+    bit the run with 0); biases, which the Trainer leaves undecayed, keep 0."""
+    import transformers
+
+    n = 64  # a power of 2: 0.1·N / N is 0.1 exactly
+
+    def run(**options: Any) -> dict[str, Tensor]:
+        model = MLP()
+        kwargs = {"lr": 0.5, "base": Normal(0.0, 0.1), "seed": 1, "between_steps": "sample"}
+        trainer = in_order(transformers.Trainer)(
+            model=model,
+            args=arguments(tmp_path, **options),
+            train_dataset=dataset(),
+            optimizer_cls_and_kwargs=(lgb.AdditiveBLR, {**kwargs, "data_size": n}),
+        )
+        trainer.train()
+        return elements(trainer.optimizer.optimizer, model.net)
+
+    decayed, plain = run(weight_decay=0.1), run(weight_decay=0.0)
+    net = make_net()
+    weights = [p for name, p in net.named_parameters() if name.endswith("weight")]
+    biases = [p for name, p in net.named_parameters() if name.endswith("bias")]
+    reference = lgb.AdditiveBLR(
+        [{"params": weights, "prior_precision": 0.1 * n}, {"params": biases}],
+        lr=0.5,
+        base=Normal(0.0, 0.1),
+        seed=1,
+        between_steps="sample",
+        data_size=n,
+    )
+    plain_loop(net, reference, clip=CLIP)
+    assert_same(decayed, elements(reference, net))
+    assert any(not torch.equal(decayed[k], plain[k]) for k in decayed)
+
+
+def test_a_blr_trainer_without_a_lie_group_optimizer_warns(tmp_path):
+    from liegroup_blr.integrations.transformers import BLRTrainer
+
+    model = MLP()
+    trainer = BLRTrainer(model=model, args=arguments(tmp_path), train_dataset=dataset())
+    with pytest.warns(UserWarning, match="not a Lie-group optimizer.*optimizers="):
+        trainer.train()
+
+
 # ------------------------------------------------------------------- tiny BERT
 def tiny_bert() -> Any:
     import transformers

@@ -304,3 +304,91 @@ def test_what_cannot_work_on_shards_or_with_ddp_is_refused_in_one_line(tmp_path)
         assert "drop process_group=" in messages["ddp"]
         assert "vectorize=False" in messages["vectorize"]
         assert all("\n" not in m for m in messages.values())
+
+
+# ------------------------------------------------------ DTensor parameters placed by hand
+PLACED = ("additive", "multiplicative", "affine")
+
+
+def _placed_problem():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 5, generator=gen, dtype=DTYPE) * 0.5
+    b = torch.randn(10, generator=gen, dtype=DTYPE) * 0.5
+    x = torch.randn(16, 5, generator=gen, dtype=DTYPE)
+    y = torch.randint(0, 10, (16,), generator=gen)
+    return w, b, x, y
+
+
+def _placed_train(opt, w, b, x, y, forward) -> None:
+    for _ in range(STEPS):
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(forward(x, w, b), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+def _placed_worker(rank: int, folder: str) -> None:
+    """A weight sharded by rows, a replicated bias, a forward in DTensor ops: the bias's
+    gradient arrives sharded (crashed on the old main); the group elements come back as
+    DTensors placed like their parameters, go in again, and a write into a DTensor parameter
+    is adopted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    out = {}
+    for rule in PLACED:
+        w0, b0, x, y = _placed_problem()
+        w = nn.Parameter(distribute_tensor(w0, mesh, [Shard(0)]))
+        b = nn.Parameter(distribute_tensor(b0, mesh, [Replicate()]))
+        xr = distribute_tensor(x, mesh, [Replicate()])
+        opt = RULES[rule]([w, b], noise="table", table_size=5000, seed=3)
+        _placed_train(opt, w, b, xr, y, lambda x, w, b: nn.functional.linear(x, w, b).full_tensor())
+        parts = {n: opt.group_element(p) for n, p in (("w", w), ("b", b))}
+        out[rule] = {f"{n}.{k}": v.full_tensor() for n, ps in parts.items() for k, v in ps.items()}
+        out[f"{rule}-placements"] = {
+            f"{n}.{k}": str(v.placements) for n, ps in parts.items() for k, v in ps.items()
+        }
+        if rule != "additive":  # the stacked element as a DTensor goes in again unchanged
+            before = opt.group_element(w)
+            opt.set_group_element(w, torch.stack(list(before.values())))
+            after = opt.group_element(w)
+            out[f"{rule}-again"] = all(
+                torch.equal(before[k].full_tensor(), after[k].full_tensor()) for k in before
+            )
+        with opt.point_estimate():
+            point = w.full_tensor().clone()
+        with torch.no_grad():
+            w.mul_(0.5)  # a write through the DTensor: adopted as the location
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with opt.point_estimate():
+                out[f"{rule}-written"] = (w.full_tensor() - 0.5 * point).abs().max().item()
+        out[f"{rule}-warned"] = any("written outside" in str(c.message) for c in caught)
+    torch.save(out, f"{folder}/placed{rank}.pt")
+
+
+def test_dtensor_parameters_placed_by_hand_train_as_one_process(tmp_path):
+    spawn(_placed_worker, tmp_path)
+    ranks = [torch.load(tmp_path / f"placed{r}.pt", weights_only=True) for r in range(2)]
+    for rule in PLACED:
+        w0, b0, x, y = _placed_problem()
+        w, b = nn.Parameter(w0), nn.Parameter(b0)
+        opt = RULES[rule]([w, b], noise="table", table_size=5000, seed=3)
+        _placed_train(opt, w, b, x, y, nn.functional.linear)
+        expected = {
+            f"{n}.{k}": v for n, p in (("w", w), ("b", b)) for k, v in opt.group_element(p).items()
+        }
+        for r in range(2):
+            assert ranks[r][rule].keys() == expected.keys()
+            for key, value in expected.items():
+                torch.testing.assert_close(ranks[r][rule][key], value, rtol=1e-10, atol=1e-12)
+            placements = ranks[r][f"{rule}-placements"]
+            assert all(placements[k] == "(Shard(dim=0),)" for k in placements if k[0] == "w")
+            assert all(placements[k] == "(Replicate(),)" for k in placements if k[0] == "b")
+            assert ranks[r].get(f"{rule}-again", True)
+            assert ranks[r][f"{rule}-written"] < 1e-12 and ranks[r][f"{rule}-warned"]

@@ -1,4 +1,5 @@
-"""The README's swap-in values train a small MLP and a small CNN without a skipped step."""
+"""The README's swap-in values train a small MLP and a small CNN without a skipped step, with
+each of the seeds 0–9."""
 
 from __future__ import annotations
 
@@ -51,12 +52,14 @@ def test_the_readme_names_the_three_rules():
     assert set(readme_optimizers()) == {"AdditiveBLR", "MultiplicativeBLR", "AffineBLR"}
 
 
+@pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize("net", [mlp, cnn], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("rule", ["AdditiveBLR", "MultiplicativeBLR", "AffineBLR"])
-def test_readme_values_train_a_small_network_without_skipped_steps(rule, net):
-    """Three passes over the 8×8 digits (1,437 train / 360 test, batch 50): no step skipped,
-    and the point estimate at least twice chance (10 %)."""
-    torch.manual_seed(0)
+def test_readme_values_train_a_small_network_without_skipped_steps(rule, net, seed):
+    """Ten passes over the 8×8 digits (1,437 train / 360 test, batch 50), seeds 0–9: no step
+    skipped, and the point estimate at least four times chance (10 %). The multiplicative
+    rule's former step size 5 skipped steps on the CNN with seeds 5 and 7."""
+    torch.manual_seed(seed)
     x, y = load_digits(return_X_y=True)
     x, y = torch.tensor(x, dtype=torch.float32) / 16.0, torch.tensor(y)
     n = 1437
@@ -64,7 +67,7 @@ def test_readme_values_train_a_small_network_without_skipped_steps(rule, net):
     opt = getattr(lgb, rule)(model.parameters(), data_size=n, **readme_optimizers()[rule])
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a skipped step warns
-        for _ in range(3):
+        for _ in range(10):
             for idx in torch.randperm(n).split(50):
 
                 def closure(idx=idx):
@@ -77,4 +80,4 @@ def test_readme_values_train_a_small_network_without_skipped_steps(rule, net):
     assert opt.skipped_steps == 0
     with torch.no_grad():
         accuracy = (model(x[n:]).argmax(-1) == y[n:]).float().mean().item()
-    assert accuracy > 0.2
+    assert accuracy > 0.4

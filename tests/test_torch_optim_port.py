@@ -155,6 +155,50 @@ def test_goes_right_direction(kind, dtype, contiguous):
         assert all(v.dtype == dtype for v in opt.state[p].values())
 
 
+@pytest.mark.parametrize("scheduled", [False, True], ids=["", "lr_scheduler"])
+@pytest.mark.parametrize("mc_samples", [1, 2])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_forloop_goes_right_direction(kind, contiguous, mc_samples, scheduled):
+    """torch's test as torch writes it: the initial loss taken with ``closure()`` outside the
+    step (leaving gradients at the point estimate, which the next closure zeroes), then
+    ``loss = optimizer.step(closure)``, and the final loss with ``closure()`` again."""
+    model, opt = setup(kind, contiguous=contiguous, mc_samples=mc_samples)
+    scheduler = sched.StepLR(opt, step_size=10, gamma=0.9) if scheduled else None
+    closure = closure_for(opt, model)
+    initial_value = closure().item()
+    for _ in range(20):
+        loss = opt.step(closure)
+        assert isinstance(loss, torch.Tensor)
+        if scheduler is not None:
+            scheduler.step()
+    assert closure().item() < initial_value
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_step_returns_what_the_closure_returned(kind):
+    """torch returns the closure's value unchanged: a tensor (with its graph), a float, or a
+    value of a closure that computed no gradient at all."""
+    model, opt = setup(kind)
+
+    def as_float():
+        opt.zero_grad()
+        loss = model()
+        loss.backward()
+        return loss.item()
+
+    for closure in (closure_for(opt, model), as_float):
+        value = []
+
+        def recording(closure=closure):
+            value.append(closure())
+            return value[-1]
+
+        assert opt.step(recording) is value[-1]
+    with pytest.warns(UserWarning, match="no trained parameter has a gradient"):
+        assert opt.step(lambda: 1.0) == 1.0
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_optimizer_can_be_printed(kind):
     _, opt = setup(kind)

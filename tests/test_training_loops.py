@@ -302,8 +302,8 @@ def test_a_closure_that_zeroes_gradients_made_outside_steps_as_if_they_were_neve
     """PyTorch's own idiom, ``loss = closure(); optimizer.step(closure)``: the first call
     leaves gradients at the point estimate, the closure zeroes them before its backward, so
     nothing is mixed. On the old main it was refused before the closure ran."""
-    runs = []
-    for outside in (False, True):
+
+    def run(outside: bool):
         model, x, y = make_problem()
         opt = FACTORIES[kind](model.parameters(), seed=2, mc_samples=2)
 
@@ -321,7 +321,9 @@ def test_a_closure_that_zeroes_gradients_made_outside_steps_as_if_they_were_neve
                 initial = closure()  # the idiom's first call, outside the step
                 assert initial.requires_grad
             opt.step(closure)
-        runs.append(snapshot(opt, model))
+        return snapshot(opt, model)
+
+    runs = [run(False), run(True)]
     assert_equal(runs[1], runs[0])
 
 

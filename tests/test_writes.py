@@ -245,6 +245,16 @@ def test_what_cannot_be_a_location_is_refused_in_one_line(change, words):
     assert "\n" not in str(info.value)
 
 
+def test_vector_to_parameters_replaces_the_storage_and_is_seen():
+    model, _, _ = make_problem()
+    opt = lgb.AdditiveBLR(model.parameters(), lr=0.1, base=Dirac(0.0))
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()) * 0.5
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+    with pytest.warns(UserWarning, match=WRITTEN):
+        points = point_of(opt, model)
+    assert torch.equal(torch.nn.utils.parameters_to_vector(points), flat)
+
+
 def test_writes_through_data_are_not_seen():
     """``p.data.clamp_()`` bypasses the version counter (documented): the optimizer's point
     estimate stands at the next step, as the docs say."""

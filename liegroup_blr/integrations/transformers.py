@@ -10,6 +10,7 @@ clipping then acts on exactly what the update reads.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -41,21 +42,42 @@ def check_optimizer(optimizer: Any) -> None:
         )
 
 
+def _warn_unless_blr(optimizer: Any, args: Any) -> None:
+    """Warn, naming how to pass a Lie-group optimizer, when ``optimizer`` (an instance or a
+    class) is not one: the Trainer then trains without a posterior."""
+    kind = optimizer if isinstance(optimizer, type) else type(unwrap(optimizer) or optimizer)
+    if issubclass(kind, BLROptimizer):
+        return
+    warnings.warn(
+        f"BLRTrainer trains with {kind.__name__} (TrainingArguments.optim={args.optim!r}), not "
+        "a Lie-group optimizer, so there is no posterior to evaluate or save: pass "
+        "optimizers=(liegroup_blr.AffineBLR(model.parameters(), ..., between_steps='sample'), "
+        "None) or optimizer_cls_and_kwargs=(liegroup_blr.AffineBLR, {..., 'between_steps': "
+        "'sample'})",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class BLRTrainerCallback(transformers.TrainerCallback):
     """What a callback can do for a Lie-group optimizer in a ``Trainer``.
 
     - Refuses, at the start of ``train()``, an optimizer that cannot take the Trainer's
       closure-free step (``between_steps="point"``, or ``mc_samples > 1``), in one line
       naming the fix.
-    - At the end of ``train()`` writes the point estimate into the parameters (in
-      ``between_steps="sample"`` they hold a training sample between steps), so the model
+    - Checkpoints and evaluations during training run at the point estimate: after a step
+      that the Trainer follows with a save or an evaluation, the parameters hold the point
+      estimate (in ``between_steps="sample"`` they hold a training sample between steps)
+      until the save or the evaluation is done; then the training sample is drawn again, bit
+      for bit, so training goes on exactly as without them.
+    - At the end of ``train()`` writes the point estimate into the parameters, so the model
       saved, served or evaluated after training is the point estimate; a further ``train()``
-      draws the training sample again first. With ``load_best_model_at_end`` the parameters
-      keep the best checkpoint's weights.
+      draws the training sample again first. With ``load_best_model_at_end`` the best
+      checkpoint's weights, which the Trainer loads, are adopted as the posterior's location
+      (its spread stays the last state's: the Trainer loads weights, not the optimizer).
 
-    A callback cannot change the forward pass: evaluation and checkpoints *during* training
-    would see a training sample, and only :class:`BLRTrainer` runs ``evaluate``/``predict``
-    at the point estimate or the model average and saves the point estimate.
+    A callback cannot change the forward pass: only :class:`BLRTrainer` evaluates at the
+    model average (``evaluate="average"``).
     """
 
     def __init__(self) -> None:
@@ -67,9 +89,22 @@ class BLRTrainerCallback(transformers.TrainerCallback):
         resume([o for o in self._parked if o is unwrap(optimizer)])
         self._parked = []
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if control.should_save or control.should_evaluate:  # set by the flow callback before
+            self._parked = park(blr_optimizers([kwargs.get("optimizer")]))
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not control.should_save:  # else the save follows: resumed after it
+            self._resume()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resume()
+
+    def _resume(self) -> None:
+        resume(self._parked)
+        self._parked = []
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if args.load_best_model_at_end and state.best_model_checkpoint:
-            return  # the parameters hold the best checkpoint's point estimate
         self._parked = park(blr_optimizers([kwargs.get("optimizer")]))
 
 
@@ -102,6 +137,9 @@ class BLRTrainer(transformers.Trainer):
         self.samples = samples
         super().__init__(*args, **kwargs)
         check_optimizer(self.optimizer)
+        given = self.optimizer_cls_and_kwargs
+        if self.optimizer is not None or given is not None:
+            _warn_unless_blr(self.optimizer or given[0], self.args)  # type: ignore[index]
         self.add_callback(BLRTrainerCallback())
 
     def _posterior(self) -> list[BLROptimizer]:
@@ -115,6 +153,7 @@ class BLRTrainer(transformers.Trainer):
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)
         check_optimizer(optimizer)
+        _warn_unless_blr(optimizer, self.args)
         return optimizer
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
