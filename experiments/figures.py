@@ -197,17 +197,32 @@ def mean_and_sd(curves: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarr
     return array.mean(axis=0), sd
 
 
+def curves_size(panels: int) -> tuple[float, float]:
+    """The size of a row of ``panels`` learning-curve panels (two: :data:`CURVES_SIZE`)."""
+    return CURVES_SIZE[0] * panels / 2, CURVES_SIZE[1]
+
+
 def learning_curves(
     histories: Mapping[str, Sequence[Sequence[Mapping[str, float]]]],
     path: Path,
     title: str,
     eval_set: str = "test",
 ) -> None:
-    """Accuracy and NLL on the ``eval_set`` (at the point estimate) per epoch: for each run
-    label (label → one list of epoch rows per seed) the mean over seeds as a line and mean ±
-    sample standard deviation as a band, one colour, line style and marker per label (so a
-    line hidden under another still shows); ``title`` names the comparison."""
-    fig, (ax_acc, ax_nll) = plt.subplots(1, 2, figsize=CURVES_SIZE)
+    """Accuracy and NLL on the ``eval_set`` (at the point estimate) per epoch, and the
+    training loss (the epoch's mean minibatch loss, at the training samples; log scale) where
+    the rows hold it: for each run label (label → one list of epoch rows per seed) the mean
+    over seeds as a line and mean ± sample standard deviation as a band, one colour, line
+    style and marker per label (so a line hidden under another still shows); ``title`` names
+    the comparison."""
+    every_row = [r for seeds in histories.values() for rows in seeds for r in rows]
+    losses = bool(every_row) and all("train_loss" in r for r in every_row)
+    panels = 3 if losses else 2
+    fig, axes = plt.subplots(1, panels, figsize=curves_size(panels))
+    ax_acc, ax_nll = axes[0], axes[1]
+    plotted = [(ax_acc, "test_accuracy", 100.0), (ax_nll, "test_nll", 1.0)]
+    if losses:
+        plotted.append((axes[2], "train_loss", 1.0))
+        axes[2].set(xlabel="epoch", ylabel="training loss (at the samples)", yscale="log")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # tab10
     for i, (label, seeds) in enumerate(histories.items()):
         epochs = [r["epoch"] for r in seeds[0]]
@@ -216,7 +231,7 @@ def learning_curves(
         name = f"{label} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
         colour, (dashes, marker) = colours[i % len(colours)], STYLES[i % len(STYLES)]
         every = max(1, len(epochs) // 8)
-        for ax, key, factor in ((ax_acc, "test_accuracy", 100.0), (ax_nll, "test_nll", 1.0)):
+        for ax, key, factor in plotted:
             mean, sd = mean_and_sd([[factor * r[key] for r in rows] for rows in seeds])
             ax.plot(
                 epochs,

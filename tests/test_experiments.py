@@ -226,7 +226,7 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
         assert f"]({label}/seed0/reliability.png)" in report
     assert "average †" in report  # the deterministic baselines are flagged
     assert "](multiplicative/seed0/filters_excitatory.png)" in report
-    assert_png(tmp_path / "learning_curves.png", figures.CURVES_SIZE)
+    assert_png(tmp_path / "learning_curves.png", figures.curves_size(3))  # with training loss
     assert json.loads((tmp_path / "results.json").read_text()).keys() == results.keys()
     written = json.loads((tmp_path / "config.json").read_text())
     assert written == {label: {"0": cfg} for label, cfg in split_runs(raw).items()}

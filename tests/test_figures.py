@@ -124,6 +124,21 @@ def test_learning_curves_of_coinciding_rules_differ_in_style(drawn: dict[str, An
     assert all(isinstance(band, PolyCollection) for band in fig.axes[0].collections)
 
 
+def test_learning_curves_show_the_training_loss_on_a_log_scale_where_rows_hold_it(
+    drawn: dict[str, Any],
+) -> None:
+    rows = [
+        {"epoch": e, "test_accuracy": 0.5, "test_nll": 1.0, "train_loss": 2.0**-e}
+        for e in range(1, 5)
+    ]
+    figures.learning_curves({"sgd": [rows]}, Path("t.png"), "cnn, seed 0")
+    fig = drawn["t.png"]
+    assert len(fig.axes) == 3
+    loss = fig.axes[2]
+    assert loss.get_yscale() == "log" and "training loss" in loss.get_ylabel()
+    assert loss.get_lines()[0].get_ydata().tolist() == [0.5, 0.25, 0.125, 0.0625]
+
+
 def test_entropy_histograms_name_the_run_and_differ_in_style(drawn: dict[str, Any]) -> None:
     entropy = torch.rand(50, generator=torch.Generator().manual_seed(2))
     sets = {"test inputs": entropy, "rotated": entropy, "noise": entropy}
