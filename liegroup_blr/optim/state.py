@@ -326,7 +326,7 @@ class GroupStateOptimizer(Optimizer):
     # ------------------------------------------------------------ state dicts
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state, plus the noise generators' states (training and prediction draws)
-        and the skip count (:func:`~liegroup_blr.optim.statedicts.save`).
+        and the skip count.
 
         Base distributions (and per-group Lie groups) belong to the construction, like the
         parameters: they are left out (so the dict loads with ``torch.load(weights_only=True)``)
