@@ -12,7 +12,7 @@ import pytest
 import torch
 from matplotlib import image as mpimg
 
-from experiments import compare, figures, memory_map, train, tune
+from experiments import compare, figures, memory_map, peers, train, tune
 from experiments.config import ConfigError, load, resolve, split_runs
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -375,6 +375,9 @@ def test_shipped_configs_resolve(path: Path) -> None:
     if "memory" in raw:  # a memory-map validation: comparison runs and a [memory] table
         runs, memory = memory_map.resolve(raw)
         assert memory["retrain_epochs"]
+    elif "laplace" in raw:  # the peers: comparison runs and Laplace fits on some of them
+        runs, laplace = peers.resolve(raw)
+        assert laplace["fits"]
     else:
         runs = compare.run_configs(raw)
     assert runs
