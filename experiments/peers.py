@@ -105,8 +105,9 @@ def _check_laplace(laplace: dict[str, Any], configs: dict[str, Any]) -> None:
                 )
 
 
-def require_peers(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
-    """The peers' libraries must import here: laplace-torch, and posteriors for a ``vi`` run."""
+def require_peers(configs: dict[str, dict[int, dict[str, Any]]], laplace: dict[str, Any]) -> None:
+    """The peers' libraries must import here (laplace-torch, and posteriors for a ``vi`` run)
+    and know the fits' curvature backends."""
     names = ["laplace"]
     if any(c["optimizer"]["name"] == "vi" for by in configs.values() for c in by.values()):
         names.append("posteriors")
@@ -116,6 +117,14 @@ def require_peers(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
             f"experiments.peers needs {', '.join(missing)}: make the peers' environment with "
             "the command in experiments/requirements-peers.txt and run it there"
         )
+    from laplace import curvature
+
+    for name, fit in laplace["fits"].items():
+        if fit["backend"] is not None and not hasattr(curvature, fit["backend"]):
+            raise config_module.ConfigError(
+                f"unknown [laplace.fits.{name}].backend {fit['backend']!r}; valid: a class of "
+                f"laplace.curvature, such as {sorted(curvature.__all__)}"
+            )
 
 
 # ---------------------------------------------------------------------- Laplace
@@ -162,12 +171,15 @@ def laplace_log_probs(
     return probs.clamp_min(torch.finfo(probs.dtype).tiny).log()
 
 
-def entropy_aurocs(predict: Callable[[Sequence[Tensor]], Tensor], inputs: list[Tensor]) -> dict:
-    """AUROC of the predictive entropy: ``inputs`` against each shift of
-    :func:`experiments.ood.shifted_inputs` (the shifts of the drivers' evaluation)."""
-    test = ood.entropy(predict(inputs))
+def entropy_aurocs(
+    test: Tensor, predict: Callable[[Sequence[Tensor]], Tensor], inputs: list[Tensor]
+) -> dict[str, float]:
+    """AUROC of the predictive entropy: the log probabilities ``test`` of ``inputs`` against
+    ``predict``'s of each shift of :func:`experiments.ood.shifted_inputs` (the shifts of the
+    drivers' evaluation)."""
+    negatives = ood.entropy(test)
     shifted = ood.shifted_inputs(inputs)
-    return {name: ood.auroc(test, ood.entropy(predict(x))) for name, x in shifted.items()}
+    return {name: ood.auroc(negatives, ood.entropy(predict(x))) for name, x in shifted.items()}
 
 
 def laplace_results(
@@ -186,7 +198,7 @@ def laplace_results(
     samples = cfg["eval"]["samples"]
     tic = time.perf_counter()
     log_probs = laplace_log_probs(la, inputs, laplace, samples)
-    aurocs = entropy_aurocs(lambda x: laplace_log_probs(la, x, laplace, samples), inputs)
+    aurocs = entropy_aurocs(log_probs, lambda x: laplace_log_probs(la, x, laplace, samples), inputs)
     return {
         "point": network["point"],
         "average": predictive.metrics(log_probs, labels, cfg["eval"]["bins"]),
@@ -206,7 +218,7 @@ def peers(
     write the report. Returns row → ``{"seeds", "summary", "per_seed"}``."""
     out = Path(out)
     configs, laplace = resolve(raw, seeds)
-    require_peers(configs)
+    require_peers(configs, laplace)
     written = {
         "runs": {label: {str(s): c for s, c in by.items()} for label, by in configs.items()},
         "laplace": laplace,

@@ -171,8 +171,9 @@ def test_entropy_aurocs_separate_exactly_what_the_predictor_tells_apart() -> Non
     def constant(xs: list[Tensor]) -> Tensor:
         return torch.log_softmax(torch.zeros(sum(len(x) for x in xs), 4), dim=1)
 
-    assert peers.entropy_aurocs(knowing, inputs) == {"rotated": 1.0, "permuted": 1.0, "noise": 1.0}
-    assert peers.entropy_aurocs(constant, inputs) == {"rotated": 0.5, "permuted": 0.5, "noise": 0.5}
+    for predict, auroc in ((knowing, 1.0), (constant, 0.5)):
+        aurocs = peers.entropy_aurocs(predict(inputs), predict, inputs)
+        assert aurocs == {"rotated": auroc, "permuted": auroc, "noise": auroc}
 
 
 def _result(values: dict[str, float], posterior: bool = True) -> dict[str, Any]:
@@ -329,6 +330,16 @@ def test_the_driver_fits_every_laplace_and_resumes_without_refitting(
     with pytest.raises(FileExistsError, match="--resume"):
         peers.peers(tiny(), out)
     assert without_times(peers.peers(tiny(), out, resume=True)) == without_times(results)
+
+
+def test_an_unknown_curvature_backend_is_refused_before_any_training(tmp_path: Path) -> None:
+    pytest.importorskip("laplace")
+    pytest.importorskip("posteriors")
+    raw = tiny()
+    raw["laplace"]["fits"]["all_diag"]["backend"] = "ExactGGN"
+    with pytest.raises(ConfigError, match=r"unknown \[laplace\.fits\.all_diag\]\.backend 'Exa"):
+        peers.peers(raw, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("fit", ["last_layer_kron", "all_diag"])
