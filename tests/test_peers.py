@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from experiments import compare, optimizers, peers, runfiles, train
 from experiments import config as config_module
 from experiments.config import ConfigError
-from tests.test_experiments import Interrupt, assert_same, without_times
+from tests.test_experiments import assert_same, train_interrupted, without_times
 
 CONFIGS = Path(__file__).parents[1] / "experiments" / "configs"
 DATA = {
@@ -278,18 +278,7 @@ def test_a_vi_run_resumes_to_the_uninterrupted_result(
     raw = {k: v for k, v in TINY.items() if k not in ("runs", "laplace", "seeds")}
     raw |= {"schedule": {"epochs": 3}, "optimizer": {"name": "vi", "lr": 0.01}}
     full = train.train(copy.deepcopy(raw), tmp_path / "full")
-    real_epoch = train.train_epoch
-
-    def crashing_epoch(run: train.Run, epoch: int) -> float:
-        loss = real_epoch(run, epoch)
-        if epoch == 1:
-            raise Interrupt
-        return loss
-
-    monkeypatch.setattr(train, "train_epoch", crashing_epoch)
-    with pytest.raises(Interrupt):
-        train.train(copy.deepcopy(raw), tmp_path / "resumed")
-    monkeypatch.setattr(train, "train_epoch", real_epoch)
+    train_interrupted(copy.deepcopy(raw), tmp_path / "resumed", monkeypatch)
     resumed = train.train(copy.deepcopy(raw), tmp_path / "resumed", resume=True)
     assert without_times(resumed) == without_times(full)
     assert full["has_posterior"] and full["average"]["nll"] != full["point"]["nll"]
