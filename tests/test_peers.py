@@ -248,13 +248,15 @@ def test_vi_where_the_data_say_nothing_converges_to_the_prior() -> None:
     optimum for them is q = p = N(0, 1/δ), so log σ → −½ log δ and μ → 0."""
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    opt = _vi(model.parameters(), lr=0.02, data_size=50.0, prior_precision=4.0, init_log_sd=-2.0)
+    opt = _vi(model.parameters(), lr=0.05, data_size=50.0, prior_precision=4.0, init_log_sd=-2.0)
     x, y = torch.zeros(10, 3), torch.tensor([0, 1] * 5)
-    for _ in range(3000):
+    for _ in range(300):
         opt.step(batch=(model, x, y))
-    log_sd = opt.vi.log_sd_diag["0"]
-    assert log_sd.mean().item() == pytest.approx(-0.5 * math.log(4.0), abs=0.05)
-    assert model.weight.abs().max().item() < 0.1
+    log_sd = opt.vi.log_sd_diag["0"]  # the weight's; the bias sees the labels
+    torch.testing.assert_close(
+        log_sd, torch.full_like(log_sd, -0.5 * math.log(4.0)), atol=1e-4, rtol=0
+    )
+    assert model.weight.abs().max().item() < 1e-3
 
 
 def test_vi_samples_have_the_posterior_spread_and_the_mean_comes_back() -> None:
