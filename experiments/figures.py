@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -13,6 +14,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from torch import Tensor
 
+from liegroup_blr.memory import REGIONS
+
 DPI = 100
 RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
 FILTERS_SIZE = (8.0, 4.5)  # 800 × 450 pixels
@@ -20,6 +23,7 @@ CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
 HISTOGRAM_SIZE = (8.0, 4.0)  # 800 × 400 pixels
 MEMORY_MAP_SIZE = (13.0, 7.0)  # 1300 × 700 pixels
 SCATTER_SIZE = (10.0, 4.5)  # 1000 × 450 pixels
+ERROR_VARIANCE_SIZE = (8.0, 6.0)  # 800 × 600 pixels
 MEMORY_ROWS, MEMORY_COLS = 2, 8  # digits shown per block (most and least sensitive)
 FILTER_ROWS, FILTER_COLS = 4, 8
 ROBUST_QUANTILE = 0.99
@@ -237,12 +241,13 @@ def memory_map(
     _save(fig, path)
 
 
-def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Path) -> None:
-    """Estimated against true deviation, log-log, one panel per entry of ``panels``: title →
-    arrays ``truth``, ``estimate``, ``floor`` (the noise of retraining, drawn at the same
-    estimates) and the boolean ``top`` (highest-scored examples; the others are random)."""
+def sensitivity_scatter(panels: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
+    """Estimated against true change, log-log, one panel per entry of ``panels``: title →
+    arrays ``truth``, ``estimate``, ``floor`` (the change retraining alone makes, drawn at
+    the same estimates), the boolean ``top`` (highest-scored examples; the others are
+    random), and ``xlabel``, the true change's name."""
     fig, axes = plt.subplots(1, len(panels), figsize=SCATTER_SIZE, squeeze=False)
-    for ax, (title, p) in zip(axes[0], panels.items(), strict=True):
+    for ax, (name, p) in zip(axes[0], panels.items(), strict=True):
         top = p["top"]
         ax.scatter(
             p["floor"],
@@ -250,7 +255,7 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Pa
             s=12,
             marker="x",
             color="0.6",
-            label="nothing removed, other permutations",
+            label="retraining alone (nothing removed)",
         )
         ax.scatter(p["truth"][~top], p["estimate"][~top], s=18, label="random examples")
         ax.scatter(p["truth"][top], p["estimate"][top], s=18, label="highest-scored")
@@ -258,15 +263,77 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Pa
         values = values[values > 0]
         low, high = values.min() / 2, values.max() * 2
         ax.plot([low, high], [low, high], "k--", lw=1, label="estimate = truth")
-        if high > 2:
-            ax.axhline(2.0, color="tab:red", lw=1, ls=":", label="largest possible change (2)")
-        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), title=title)
-        ax.set(
-            xlabel="true change ‖p(without i) − p‖₁ (retraining)", ylabel="estimated change (score)"
-        )
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), title=name)
+        ax.set(xlabel=p["xlabel"], ylabel="estimated change (score)")
         ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(title)
     fig.tight_layout()
     _save(fig, path)
+
+
+def error_variance_map(
+    axes: Mapping[str, np.ndarray],
+    regions: np.ndarray,
+    bounds: tuple[float, float],
+    path: Path,
+    title: str,
+    marked: Sequence[int] = (),
+) -> None:
+    """The two-axis memory map: every example at its prediction error ``axes["residual"]``
+    (‖eᵢ‖₁) and total prediction variance ``axes["variance"]``, log-log, coloured by its
+    log₁₀ score ``axes["default"]`` (colour bar). The region boundaries ``bounds`` (error,
+    variance) are drawn and each region named with its count (``regions``: indices into
+    :data:`liegroup_blr.memory.REGIONS`); ``marked`` examples are ringed in red."""
+    error, variance = axes["residual"], axes["variance"]
+    error = np.maximum(error, error[error > 0].min() if (error > 0).any() else 1e-12)
+    fig, ax = plt.subplots(figsize=ERROR_VARIANCE_SIZE)
+    logs = np.log10(np.maximum(axes["default"], 1e-30))
+    points = ax.scatter(error, variance, c=logs, s=6, cmap="viridis", label="training examples")
+    fig.colorbar(points, ax=ax, label="log₁₀ score")
+    if len(marked):
+        at = np.asarray(marked)
+        ax.scatter(
+            error[at],
+            variance[at],
+            s=60,
+            facecolors="none",
+            edgecolors="tab:red",
+            label=f"flipped labels ({len(at)})",
+        )
+    e_bound, v_bound = bounds
+    ax.axvline(e_bound, color="k", ls="--", lw=1, label=f"error boundary ({e_bound:g})")
+    ax.axhline(v_bound, color="k", ls=":", lw=1, label=f"variance boundary ({v_bound:.3g})")
+    ax.set(xscale="log", yscale="log", title=title)
+    ax.set(xlabel="prediction error ‖eᵢ‖₁", ylabel="prediction variance tr Vᵢ (untempered)")
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    counts = np.bincount(regions, minlength=len(REGIONS))
+    places = _region_places(x0, x1, y0, y1, e_bound, v_bound)
+    for name, count in zip(REGIONS, counts, strict=True):
+        x, y = places[name]
+        ax.text(
+            x,
+            y,
+            f"{name} ({count})",
+            ha="center",
+            va="center",
+            weight="bold",
+            bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"},
+        )
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _region_places(
+    x0: float, x1: float, y0: float, y1: float, e_bound: float, v_bound: float
+) -> dict[str, tuple[float, float]]:
+    """Where each region's name goes on log axes: the geometric middle of its part."""
+    low, high = math.sqrt(y0 * v_bound), math.sqrt(v_bound * y1)
+    return {
+        "regular": (math.sqrt(x0 * e_bound), low),
+        "unpredictable": (math.sqrt(e_bound * x1), low),
+        "uncertain": (math.sqrt(x0 * x1), high),
+    }
 
 
 def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:

@@ -35,13 +35,18 @@ from torch.func import functional_call, vjp, vmap
 from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
 from .posterior import Posterior, PosteriorEntry
 
-__all__ = ["METHODS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
+__all__ = ["METHODS", "REGIONS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
 
 METHODS = ("auto", "jacobian", "samples")
 """Estimates of the prediction variance. ``"jacobian"`` (:math:`\\operatorname{diag}
 J\\Sigma J^\\top` at the posterior mean, for the additive, diagonal affine and multiplicative
 groups), ``"samples"`` (the sample variance of the logits, any group), ``"auto"`` (the
 Jacobian form for the additive and diagonal affine groups, else samples)."""
+
+REGIONS = ("regular", "unpredictable", "uncertain")
+"""The regions of a memory map (:meth:`MemoryMap.regions`), by index: ``"regular"`` (small
+prediction error and variance), ``"unpredictable"`` (large error, small variance: the model
+is sure and wrong), ``"uncertain"`` (large variance, whatever the error)."""
 
 LIKELIHOODS = ("categorical", "gaussian")
 CHANGES = ("probabilities", "logits")
@@ -73,6 +78,35 @@ class MemoryMap:
     residuals: Tensor
     predictions: Tensor
     method: str
+
+    @property
+    def prediction_error(self) -> Tensor:
+        r"""``[n]`` the size of each residual, :math:`\|e_i\|_1`: the map's horizontal axis.
+        With one-hot labels it is :math:`2(1 - p_{i,y_i})`, so 1 is where the label gets
+        half the probability."""
+        return self.residuals.abs().sum(-1)
+
+    @property
+    def total_variance(self) -> Tensor:
+        r"""``[n]`` the total prediction variance :math:`\operatorname{tr} V_i = \sum_k
+        v_{ik}`: the map's vertical axis."""
+        v = self.variances
+        return (v.diagonal(dim1=-2, dim2=-1) if v.ndim == 3 else v).sum(-1)
+
+    def regions(self, error_threshold: float = 1.0, variance_quantile: float = 0.9) -> Tensor:
+        """``[n]`` each example's region, an index into :data:`REGIONS`: ``"uncertain"`` where
+        :attr:`total_variance` exceeds its ``variance_quantile`` over the map's examples,
+        else ``"unpredictable"`` where :attr:`prediction_error` exceeds ``error_threshold``
+        (default 1: the label gets less than half the probability), else ``"regular"``."""
+        if not 0 < variance_quantile < 1:
+            raise ValueError(f"variance_quantile: must lie in (0, 1), got {variance_quantile!r}")
+        if not error_threshold > 0:
+            raise ValueError(f"error_threshold: must be > 0, got {error_threshold!r}")
+        variance = self.total_variance.double()
+        uncertain = variance > torch.quantile(variance, variance_quantile)
+        unpredictable = self.prediction_error > error_threshold
+        region = torch.where(unpredictable, REGIONS.index("unpredictable"), 0)
+        return torch.where(uncertain, REGIONS.index("uncertain"), region)
 
 
 # ------------------------------------------------------------------------ public
