@@ -23,7 +23,7 @@ CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
 HISTOGRAM_SIZE = (8.0, 4.0)  # 800 × 400 pixels
 MEMORY_MAP_SIZE = (13.0, 7.0)  # 1300 × 700 pixels
 SCATTER_SIZE = (10.0, 4.5)  # 1000 × 450 pixels
-ERROR_VARIANCE_SIZE = (8.0, 6.0)  # 800 × 600 pixels
+ERROR_VARIANCE_SIZE = (8.0, 7.0)  # 800 × 700 pixels
 MEMORY_ROWS, MEMORY_COLS = 2, 8  # digits shown per block (most and least sensitive)
 FILTER_ROWS, FILTER_COLS = 4, 8
 ROBUST_QUANTILE = 0.99
@@ -305,35 +305,32 @@ def error_variance_map(
     ax.axhline(v_bound, color="k", ls=":", lw=1, label=f"variance boundary ({v_bound:.3g})")
     ax.set(xscale="log", yscale="log", title=title)
     ax.set(xlabel="prediction error ‖eᵢ‖₁", ylabel="prediction variance tr Vᵢ (untempered)")
-    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    x0, x1 = ax.get_xlim()
+    ax.set_xlim(min(x0, e_bound / 1.5), max(x1, e_bound * 1.5))  # both sides of the boundary
     counts = np.bincount(regions, minlength=len(REGIONS))
-    places = _region_places(x0, x1, y0, y1, e_bound, v_bound)
     for name, count in zip(REGIONS, counts, strict=True):
-        x, y = places[name]
+        x, y, ha, va = REGION_PLACES[name]
         ax.text(
             x,
             y,
             f"{name} ({count})",
-            ha="center",
-            va="center",
+            transform=ax.transAxes,
+            ha=ha,
+            va=va,
             weight="bold",
-            bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"},
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"},
         )
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
     _save(fig, path)
 
 
-def _region_places(
-    x0: float, x1: float, y0: float, y1: float, e_bound: float, v_bound: float
-) -> dict[str, tuple[float, float]]:
-    """Where each region's name goes on log axes: the geometric middle of its part."""
-    low, high = math.sqrt(y0 * v_bound), math.sqrt(v_bound * y1)
-    return {
-        "regular": (math.sqrt(x0 * e_bound), low),
-        "unpredictable": (math.sqrt(e_bound * x1), low),
-        "uncertain": (math.sqrt(x0 * x1), high),
-    }
+REGION_PLACES = {
+    "regular": (0.02, 0.02, "left", "bottom"),
+    "unpredictable": (0.98, 0.02, "right", "bottom"),
+    "uncertain": (0.5, 0.98, "center", "top"),
+}
+"""Where each region's name goes, in axes coordinates: the corner of the map it holds."""
 
 
 def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:

@@ -405,37 +405,54 @@ def _softmax(logits: Any) -> np.ndarray:
     return torch.tensor(np.asarray(logits, dtype=np.float64)).softmax(-1).numpy()
 
 
-def changes(rows: list[dict[str, Any]], labels: Tensor, epoch: str) -> dict[str, Any]:
-    """Per retrained example i (in the order of the rows' examples), after ``epoch`` epochs:
+SPACES = {"probabilities": "", "logits": "_logits"}
+"""Where changes are measured, with the suffix of their keys in :func:`changes`: the
+probabilities (softmax of the mean logits) and the mean logits."""
 
-    - ``truth``: ‖p(without i) − p(control)‖₁ of its probabilities (softmax of the mean
-      logits), ``truth_logits``: ‖f(without i) − f(control)‖₁ of its mean logits, and
-      ``label``: the change of its own label's probability;
-    - the floors, all with nothing of i's removed: ``drift``, ‖p(control) − p(before
+FLOORS = ("drift", "others", "permuted")
+FLOOR_NAMES = ("retraining alone", "another example removed", "other permutations")
+"""What the true change is measured against (:func:`changes`)."""
+
+
+def changes(rows: list[dict[str, Any]], labels: Tensor, epoch: str) -> dict[str, Any]:
+    """Per retrained example i (in the order of the rows' examples), after ``epoch`` epochs,
+    of its probabilities p (keys without suffix) and of its mean logits f (suffix
+    ``_logits``), as L1 distances:
+
+    - ``truth``: ‖p(without i) − p(control)‖₁, what removing i changes;
+    - the floors, with nothing of i's removed: ``drift``, ‖p(control) − p(before
       retraining)‖₁, the change that retraining alone makes (common random numbers);
       ``others``, the median over the other retrained examples j of ‖p(without j) −
       p(control)‖₁, the change that removing some other example makes (common random
       numbers); and ``permuted``, ‖p(control on other permutations) − p(control)‖₁ (no
-      common random numbers)."""
+      common random numbers);
+
+    and ``label``, the change of the probability of i's own label when i is removed."""
     by_kind = {r["kind"]: r for r in rows if r["kind"] != "removed"}
     examples = by_kind["control"]["examples"]
-    control = np.asarray(by_kind["control"]["epochs"][epoch])
-    removed = {r["index"]: np.asarray(r["epochs"][epoch]) for r in rows if r["kind"] == "removed"}
-    without = np.stack([removed[i] for i in examples])  # [j removed, k example, K]
-    at = np.arange(len(examples))
-    p_control, p_without = _softmax(control), _softmax(without)
-    moved = np.abs(p_without - p_control).sum(-1)  # [j, k]
-    others = np.where(np.eye(len(examples), dtype=bool), np.nan, moved)
-    mine = labels[examples].numpy()
-    return {
-        "examples": examples,
-        "truth": moved[at, at],
-        "truth_logits": np.abs(without[at, at] - control).sum(-1),
-        "label": p_without[at, at, mine] - p_control[at, mine],
-        "drift": np.abs(p_control - _softmax(by_kind["start"]["epochs"]["0"])).sum(-1),
-        "others": np.nanmedian(others, axis=0) if len(examples) > 1 else np.full(1, np.nan),
-        "permuted": np.abs(_softmax(by_kind["permuted"]["epochs"][epoch]) - p_control).sum(-1),
+    removed = {r["index"]: r["epochs"][epoch] for r in rows if r["kind"] == "removed"}
+    logits = {
+        "control": by_kind["control"]["epochs"][epoch],
+        "start": by_kind["start"]["epochs"]["0"],
+        "permuted": by_kind["permuted"]["epochs"][epoch],
+        "without": [removed[i] for i in examples],  # [j removed, k example, K]
     }
+    at, n = np.arange(len(examples)), len(examples)
+    out: dict[str, Any] = {"examples": examples}
+    for space, suffix in SPACES.items():
+        v = {
+            k: _softmax(f) if space == "probabilities" else np.asarray(f) for k, f in logits.items()
+        }
+        moved = np.abs(v["without"] - v["control"]).sum(-1)  # [j, k]
+        others = np.where(np.eye(n, dtype=bool), np.nan, moved)
+        out[f"truth{suffix}"] = moved[at, at]
+        out[f"drift{suffix}"] = np.abs(v["control"] - v["start"]).sum(-1)
+        out[f"others{suffix}"] = np.nanmedian(others, axis=0) if n > 1 else np.full(n, np.nan)
+        out[f"permuted{suffix}"] = np.abs(v["permuted"] - v["control"]).sum(-1)
+        if space == "probabilities":
+            mine = labels[examples].numpy()
+            out["label"] = v["without"][at, at, mine] - v["control"][at, mine]
+    return out
 
 
 def agreement(estimate: np.ndarray, truth: np.ndarray) -> dict[str, float | None]:
@@ -462,13 +479,14 @@ def _median_ratio(a: np.ndarray, b: np.ndarray) -> float:
 def summarise_retraining(
     score: dict[str, Any], rows: list[dict[str, Any]], top: list[int], memory: dict[str, Any]
 ) -> dict[str, Any]:
-    """After each retraining length, over the random examples only: the medians of the true
-    changes and of the floors (:func:`changes`), the median ratio of the true change to each
-    floor and how often it exceeds it, how often the own label's probability drops, and per
-    ranking (:data:`RANKINGS`, :data:`BASELINES`, ``"default"``) its agreement with the true
-    change of the probabilities and of the logits and its Spearman correlation with the
-    drift. Apart: the median true change of the ``top`` highest-scored examples over that of
-    the random ones."""
+    """After each retraining length, over the random examples only: per space
+    (:data:`SPACES`) the medians of the true changes and of the floors (:func:`changes`),
+    the median ratio of the true change to each floor and how often it exceeds it, and the
+    Spearman correlation of the true change with the drift; how often the own label's
+    probability drops; and per ranking (:data:`RANKINGS`, :data:`BASELINES`, ``"default"``)
+    its agreement with the true change in each space and its Spearman correlation with the
+    drift. Apart (``top_over_random``): the median true change of the ``top`` highest-scored
+    examples over that of the random ones."""
     out: dict[str, Any] = {}
     for epoch in (str(e) for e in memory["retrain_epochs"]):
         c = changes(rows, score["labels"], epoch)
@@ -477,25 +495,37 @@ def summarise_retraining(
         r = {k: v[~is_top] for k, v in c.items() if k != "examples"}
         entry: dict[str, Any] = {
             "random": int((~is_top).sum()),
-            **{f"{k}_median": float(np.median(r[k])) for k in ("truth", "truth_logits")},
-            **{f"{k}_median": float(np.median(r[k])) for k in ("drift", "others", "permuted")},
-            **{f"truth_over_{k}": _median_ratio(r["truth"], r[k]) for k in ("drift", "others")},
-            **{f"above_{k}": float((r["truth"] > r[k]).mean()) for k in ("drift", "others")},
-            "truth_drift_spearman": spearman(r["truth"], r["drift"]),
             "label_drops": float((r["label"] < 0).mean()),
-            "top_over_random": float(np.median(c["truth"][is_top]) / np.median(r["truth"]))
-            if is_top.any()
-            else math.nan,
         }
+        for space, x in SPACES.items():
+            truth = r[f"truth{x}"]
+            entry[space] = {
+                **{f"{k}_median": float(np.median(r[f"{k}{x}"])) for k in ("truth", *FLOORS)},
+                **{f"truth_over_{k}": _median_ratio(truth, r[f"{k}{x}"]) for k in FLOORS},
+                **{f"above_{k}": float((truth > r[f"{k}{x}"]).mean()) for k in FLOORS},
+                "truth_drift_spearman": spearman(truth, r[f"drift{x}"]),
+                "top_over_random": float(np.median(c[f"truth{x}"][is_top]) / np.median(truth))
+                if is_top.any()
+                else math.nan,
+            }
         for name in [*RANKINGS, *BASELINES, "default"]:
             est = score[name][examples[~is_top]].double().numpy()
             entry[name] = {
-                "probabilities": agreement(est, r["truth"]),
-                "logits": agreement(est, r["truth_logits"]),
-                "drift": _defined(spearman(est, r["drift"])),
+                space: {
+                    **agreement(est, r[f"truth{x}"]),
+                    "drift": spearman(est, r[f"drift{x}"]),
+                }
+                for space, x in SPACES.items()
             }
-        out[epoch] = {k: _defined(v) if isinstance(v, float) else v for k, v in entry.items()}
+        out[epoch] = _all_defined(entry)
     return out
+
+
+def _all_defined(tree: Any) -> Any:
+    """``tree`` with every non-finite float replaced by None (JSON has no NaN)."""
+    if isinstance(tree, dict):
+        return {k: _all_defined(v) for k, v in tree.items()}
+    return _defined(tree) if isinstance(tree, float) else tree
 
 
 def _defined(value: float) -> float | None:
@@ -592,17 +622,14 @@ def _scatter(
     examples = c["examples"]
     form = score["auto"]
     panels = {
-        f"{form}:{change} score ({epoch} epochs)": {
-            "truth": c[truth],
-            "estimate": score[f"{form}:{change}"][examples].double().numpy(),
-            "floor": c["drift"],
+        f"{form}:{space} score ({epoch} epochs)": {
+            "truth": c[f"truth{x}"],
+            "estimate": score[f"{form}:{space}"][examples].double().numpy(),
+            "floor": c[f"drift{x}"],
             "top": np.isin(np.array(examples), top),
-            "xlabel": xlabel,
+            "xlabel": f"true change ‖{symbol}(without i) − {symbol}‖₁ (retraining)",
         }
-        for change, truth, xlabel in (
-            ("probabilities", "truth", "true change ‖p(without i) − p‖₁ (retraining)"),
-            ("logits", "truth_logits", "true change ‖f(without i) − f‖₁ (retraining)"),
-        )
+        for (space, x), symbol in zip(SPACES.items(), "pf", strict=True)
     }
     figures.sensitivity_scatter(panels, path, title)
 
@@ -695,7 +722,7 @@ def _conditions(cfg: dict[str, Any], res: dict[str, Any], memory: dict[str, Any]
         f"{cfg['model']['name']} {cfg['model'].get('widths', '')} on {cfg['data']['name']} "
         f"({one['train_size']} train / {one['test_size']} test), {cfg['schedule']['epochs']} "
         f"passes, batch {cfg['data']['batch_size']}, {opt.get('mc_samples', 1)} samples per "
-        f"step; {len(seeds)} seeds; test accuracy "
+        f"step; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}; test accuracy "
         f"{_mean_sd(s['test']['point']['accuracy'], 4)} at the point estimate, "
         f"{_mean_sd(s['test']['average']['accuracy'], 4)} averaged over {memory['samples']} "
         f"posterior samples."
@@ -723,34 +750,40 @@ def report(
             "(‖Δp‖₁) and of the logits (‖Δf‖₁), and with the drift (the change retraining "
             "alone makes); median estimate ÷ the true change it estimates.",
             "",
-            "| epochs | ranking | Spearman, ‖Δp‖₁ | Spearman, ‖Δf‖₁ | Spearman, drift | "
-            "median estimate ÷ truth |",
-            "|---:|---|---:|---:|---:|---:|",
+            "| epochs | ranking | Spearman, ‖Δp‖₁ | Spearman, ‖Δf‖₁ | Spearman, drift of p | "
+            "Spearman, drift of f | median estimate ÷ truth |",
+            "|---:|---|---:|---:|---:|---:|---:|",
         ]
         for epoch, entry in s["retraining"].items():
             for name in [*RANKINGS, "default", *BASELINES]:
-                a = entry[name]
-                own = "logits" if name.split(":")[-1].startswith("logits") else "probabilities"
-                ratio = _mean_sd(a[own]["median_ratio"], 3) if ":" in name else "—"
+                p, f = entry[name]["probabilities"], entry[name]["logits"]
+                own = f if name.split(":")[-1].startswith("logits") else p
+                ratio = _mean_sd(own["median_ratio"], 3) if ":" in name else "—"
                 lines.append(
-                    f"| {epoch} | {name} | {_mean_sd(a['probabilities']['spearman'])} | "
-                    f"{_mean_sd(a['logits']['spearman'])} | {_mean_sd(a['drift'])} | {ratio} |"
+                    f"| {epoch} | {name} | {_mean_sd(p['spearman'])} | "
+                    f"{_mean_sd(f['spearman'])} | {_mean_sd(p['drift'])} | "
+                    f"{_mean_sd(f['drift'])} | {ratio} |"
                 )
         lines.append("")
-        for epoch, e in s["retraining"].items():
+        for epoch, entry in s["retraining"].items():
+            for space in SPACES:
+                e = entry[space]
+                floors = ", ".join(
+                    f"{name} {_mean_sd(e[f'{key}_median'], 2, 'e')} (truth ÷ it "
+                    f"{_mean_sd(e[f'truth_over_{key}'])}, truth above it for "
+                    f"{_mean_sd(e[f'above_{key}'])})"
+                    for key, name in zip(FLOORS, FLOOR_NAMES, strict=True)
+                )
+                lines.append(
+                    f"- {space}, after {epoch} epochs, random examples: median true change "
+                    f"{_mean_sd(e['truth_median'], 2, 'e')}; floors: {floors}; Spearman of "
+                    f"truth and drift {_mean_sd(e['truth_drift_spearman'])}; the "
+                    f"{memory['top']} highest-scored change {_mean_sd(e['top_over_random'], 1)}× "
+                    "as much (medians)."
+                )
             lines.append(
-                f"- after {epoch} epochs, random examples: median true change "
-                f"{_mean_sd(e['truth_median'], 2, 'e')} (logits "
-                f"{_mean_sd(e['truth_logits_median'], 2, 'e')}); "
-                f"floors: drift {_mean_sd(e['drift_median'], 2, 'e')}, another example removed "
-                f"{_mean_sd(e['others_median'], 2, 'e')}, other permutations "
-                f"{_mean_sd(e['permuted_median'], 2, 'e')}; truth ÷ drift "
-                f"{_mean_sd(e['truth_over_drift'])} (above it: {_mean_sd(e['above_drift'])}), "
-                f"truth ÷ another removal {_mean_sd(e['truth_over_others'])} (above it: "
-                f"{_mean_sd(e['above_others'])}); Spearman of truth and drift "
-                f"{_mean_sd(e['truth_drift_spearman'])}; own label's probability drops for "
-                f"{_mean_sd(e['label_drops'])}; highest-scored {memory['top']} ÷ random, median "
-                f"true change: {_mean_sd(e['top_over_random'])}."
+                f"- after {epoch} epochs the own label's probability drops for "
+                f"{_mean_sd(entry['label_drops'])} of the removed random examples."
             )
         if "flips" in s:
             f = s["flips"]

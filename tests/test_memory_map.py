@@ -95,7 +95,9 @@ def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
         assert set(summary["retraining"]) == {"1", "2"}
         entry = summary["retraining"]["2"]
         assert entry["random"] == 2  # the correlations are over the random examples only
-        assert set(entry["default"]) == {"probabilities", "logits", "drift"}
+        assert set(entry["default"]) == set(mm.SPACES)
+        assert {"spearman", "drift", "median_ratio"} <= set(entry["default"]["logits"])
+        assert {"truth_over_drift", "above_others"} <= set(entry["probabilities"])
         assert summary["flips"]["flipped"] == 4
         assert math.isclose(summary["flips"]["random"], 4 * 4 / 64)
         assert set(summary["flips"]["found"]) == {*mm.RANKINGS, *mm.BASELINES, "default"}
@@ -241,6 +243,8 @@ def test_changes_read_the_rows_as_l1_distances():
     # others: per example the median over the other removals (two: their mean)
     np.testing.assert_allclose(c["others"], [0.0, 0.1, 0.1])
     np.testing.assert_allclose(c["permuted"], [0.2, 0.0, 0.0])
+    np.testing.assert_allclose(c["drift_logits"], [0.0, z(0.9), abs(z(0.2))])
+    np.testing.assert_allclose(c["permuted_logits"], [z(0.6), 0.0, 0.0], atol=1e-15)
 
 
 def test_flips_are_counted_among_the_k_highest():
