@@ -9,15 +9,20 @@ logits :math:`f_i` by about
 
 (:math:`J_i` the Jacobian of the logits, :math:`e_i = p_i - y_i` for a softmax likelihood), and
 its probabilities by :math:`\Lambda_i V_i e_i` with :math:`\Lambda_i = \operatorname{diag}(p_i)
-- p_i p_i^\top`. The paper's score keeps the diagonals, :math:`v_i = \operatorname{diag} V_i`
-and :math:`\lambda_i = p_i - p_i^2`:
+- p_i p_i^\top`. The scores keep the diagonals, :math:`v_i = \operatorname{diag} V_i` (the
+prediction variance) and :math:`\lambda_i = p_i - p_i^2`: by default the change of the logits,
+prediction error times prediction variance,
 
-.. math:: s_i = \sum_k |e_{ik}\, \lambda_{ik}\, v_{ik}| .
+.. math:: s_i = \sum_k |v_{ik}\, e_{ik}| ,
+
+or (``change="probabilities"``) the paper's change of the probabilities,
+:math:`\sum_k |e_{ik}\lambda_{ik}v_{ik}|`, which vanishes where the softmax saturates.
 
 The prediction variance :math:`v_i` comes from the Jacobian form or from posterior samples
 (:data:`METHODS`). A rule trained at temperature :math:`\tau` learns about :math:`\tau` times
 the posterior covariance; the equation needs the untempered one, so :math:`V_i` is divided by
-:math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why.
+:math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why, and how
+the scores compare with leave-one-out retraining.
 """
 
 from __future__ import annotations
@@ -59,11 +64,11 @@ class MemoryMap:
 
     Attributes:
         scores: ``[n]``, the estimated change of each example's prediction if it were
-            removed from training: :math:`\\sum_k |e_{ik}\\lambda_{ik}v_{ik}|` for a
-            categorical likelihood (the L1 change of its probabilities), :math:`\\sum_k
-            |v_{ik}e_{ik}|` for a Gaussian one (of its predicted mean) or with
-            ``change="logits"`` (of its logits); with ``cross_class`` the L1 norm of
-            :math:`\\Lambda_i V_i e_i` (of :math:`V_i e_i`).
+            removed from training: :math:`\\sum_k |v_{ik}e_{ik}|`, the L1 change of its
+            logits (of its predicted mean for a Gaussian likelihood), or with
+            ``change="probabilities"`` :math:`\\sum_k |e_{ik}\\lambda_{ik}v_{ik}|`, of its
+            probabilities; with ``cross_class`` the L1 norm of :math:`V_i e_i` (of
+            :math:`\\Lambda_i V_i e_i`).
         variances: ``[n, K]`` prediction variances :math:`v_i` of the logits (untempered:
             divided by τ), or ``[n, K, K]`` covariances :math:`V_i` with ``cross_class``.
         residuals: ``[n, K]`` :math:`e_i = \\nabla_f \\ell_i`: :math:`p_i - y_i`, or
@@ -122,12 +127,13 @@ def sensitivity(
     temperature: float | None = None,
     method: str = "auto",
     cross_class: bool = False,
-    change: str = "probabilities",
+    change: str = "logits",
     likelihood: str = "categorical",
     noise_variance: float = 1.0,
 ) -> Tensor:
-    r"""Memory-map scores: per example, the estimated change of its predicted probabilities if
-    it were removed from training, :math:`\sum_k |e_{ik}\lambda_{ik}v_{ik}|` (a tensor ``[n]``).
+    r"""Memory-map scores: per example, the estimated change of its logits if it were removed
+    from training, :math:`\sum_k |v_{ik}e_{ik}|`: prediction variance times prediction error
+    (a tensor ``[n]``; ``change="probabilities"`` for the change of its probabilities).
 
     The scores of :func:`memory_map`, which takes the same arguments and also returns the
     prediction variances and residuals they are built from.
@@ -161,7 +167,7 @@ def memory_map(
     temperature: float | None = None,
     method: str = "auto",
     cross_class: bool = False,
-    change: str = "probabilities",
+    change: str = "logits",
     likelihood: str = "categorical",
     noise_variance: float = 1.0,
 ) -> MemoryMap:
@@ -195,12 +201,14 @@ def memory_map(
             it, magnitudes do.
         method: ``"jacobian"``, ``"samples"`` or ``"auto"``: the Jacobian form where every
             entry is additive or diagonal affine with a finite-variance base, else samples.
-        cross_class: keep the cross-class terms: :math:`\|\Lambda_i V_i e_i\|_1` with the
-            full :math:`V_i` and :math:`\Lambda_i` instead of the paper's diagonal score.
-        change: what the score measures: ``"probabilities"`` (the paper's score, through
-            λ = p − p², which vanishes where the softmax saturates) or ``"logits"``
-            (:math:`\sum_k |v_{ik}e_{ik}|`, the estimated change of the logits themselves).
-            For a Gaussian likelihood the prediction is the mean f and both are
+        cross_class: keep the cross-class terms: :math:`\|V_i e_i\|_1` (or
+            :math:`\|\Lambda_i V_i e_i\|_1`) with the full :math:`V_i` and :math:`\Lambda_i`
+            instead of their diagonals.
+        change: what the score measures: ``"logits"`` (the default,
+            :math:`\sum_k |v_{ik}e_{ik}|`, the estimated change of the logits) or
+            ``"probabilities"`` (the paper's score, through λ = p − p², which vanishes where
+            the softmax saturates: a confidently misclassified example scores about 0). For
+            a Gaussian likelihood the prediction is the mean f and both are
             :math:`\sum_k |v_{ik}e_{ik}|`.
         likelihood: ``"categorical"`` (softmax over the last output axis) or ``"gaussian"``
             (loss :math:`(f - y)^2/2\sigma^2`).

@@ -272,8 +272,9 @@ def _affine_posterior(model: nn.Module, scale: float = 0.1) -> Posterior:
 @pytest.mark.parametrize("method", ["jacobian", "samples"])
 def test_an_example_fitted_with_certainty_scores_zero(method):
     """Residual 0 at the label: score 0 whatever the variance. Against the label with a
-    saturated softmax, λ = p − p² = 0 and the score is 0 as well (the probabilities do not
-    move to first order); unsaturated, a misfit example scores above 0."""
+    saturated softmax, λ = p − p² = 0 and the probability score is 0 as well (the
+    probabilities do not move to first order) while the logit score (the default) is not;
+    unsaturated, a misfit example scores above 0 with either."""
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     model, x, y = _classifier(2000.0)
     post = _affine_posterior(model)
@@ -282,19 +283,22 @@ def test_an_example_fitted_with_certainty_scores_zero(method):
     assert torch.equal(mm.residuals, torch.zeros(3, 3, dtype=F64))
     assert bool((mm.variances > 0).all())  # not for want of variance: the residual is 0
     others = torch.tensor([1, 1, 1])
-    saturated = memory_map(model, post, x, others, method=method, generator=gen())
+    saturated = memory_map(
+        model, post, x, others, method=method, generator=gen(), change="probabilities"
+    )
     assert torch.equal(saturated.scores, torch.zeros(3, dtype=F64))
     assert bool((saturated.residuals[[0, 2]].abs().sum(1) == 2).all())
-    logits = memory_map(model, post, x, others, method=method, generator=gen(), change="logits")
+    logits = memory_map(model, post, x, others, method=method, generator=gen())  # the default
     torch.testing.assert_close(
         logits.scores, (logits.variances * logits.residuals).abs().sum(1), rtol=1e-12, atol=0
     )
     assert bool((logits.scores[[0, 2]] > 0).all())  # the logits would move
     model, x, y = _classifier(2.0)
     post = _affine_posterior(model)
-    wrong = memory_map(model, post, x, others, method=method, generator=gen())
-    right = memory_map(model, post, x, y, method=method, generator=gen())
-    assert bool((wrong.scores[[0, 2]] > 3 * right.scores[[0, 2]]).all())
+    for change in ("probabilities", "logits"):
+        wrong = memory_map(model, post, x, others, method=method, generator=gen(), change=change)
+        right = memory_map(model, post, x, y, method=method, generator=gen(), change=change)
+        assert bool((wrong.scores[[0, 2]] > 3 * right.scores[[0, 2]]).all())
 
 
 def test_a_posterior_without_variance_scores_zero():
