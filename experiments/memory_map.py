@@ -409,9 +409,12 @@ SPACES = {"probabilities": "", "logits": "_logits"}
 """Where changes are measured, with the suffix of their keys in :func:`changes`: the
 probabilities (softmax of the mean logits) and the mean logits."""
 
-FLOORS = ("drift", "others", "permuted")
-FLOOR_NAMES = ("retraining alone", "another example removed", "other permutations")
-"""What the true change is measured against (:func:`changes`)."""
+FLOORS = {
+    "drift": "retraining alone",
+    "others": "another example removed",
+    "permuted": "other permutations",
+}
+"""What the true change is measured against (:func:`changes`), with its name in reports."""
 
 
 def changes(rows: list[dict[str, Any]], labels: Tensor, epoch: str) -> dict[str, Any]:
@@ -772,7 +775,7 @@ def report(
                     f"{name} {_mean_sd(e[f'{key}_median'], 2, 'e')} (truth ÷ it "
                     f"{_mean_sd(e[f'truth_over_{key}'])}, truth above it for "
                     f"{_mean_sd(e[f'above_{key}'])})"
-                    for key, name in zip(FLOORS, FLOOR_NAMES, strict=True)
+                    for key, name in FLOORS.items()
                 )
                 lines.append(
                     f"- {space}, after {epoch} epochs, random examples: median true change "
