@@ -568,6 +568,10 @@ def validate(
         "retrained": {"top": top, "random": random},
         "regions": _region_counts(score["regions"]),
         "retraining": summarise_retraining(score, rows, top, memory),
+        "baselines": {  # Spearman over the whole training set
+            name: _defined(spearman(score["default"].numpy(), score[name].numpy()))
+            for name in BASELINES
+        },
     }
     if memory["flip"]:
         summary.update(_flipped(cfg, memory, folder, run.data, title))
@@ -788,6 +792,11 @@ def report(
                 f"- after {epoch} epochs the own label's probability drops for "
                 f"{_mean_sd(entry['label_drops'])} of the removed random examples."
             )
+        lines.append(
+            "- over the whole training set the default score ranks with Spearman "
+            + ", ".join(f"{_mean_sd(v)} against the {k}" for k, v in s["baselines"].items())
+            + " alone."
+        )
         if "flips" in s:
             f = s["flips"]
             found = ", ".join(f"{k}: {_mean_sd(v, 1)}" for k, v in f["found"].items())

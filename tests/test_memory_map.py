@@ -102,6 +102,7 @@ def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
         assert math.isclose(summary["flips"]["random"], 4 * 4 / 64)
         assert set(summary["flips"]["found"]) == {*mm.RANKINGS, *mm.BASELINES, "default"}
         assert sum(summary["regions"].values()) == 64
+        assert set(summary["baselines"]) == set(mm.BASELINES)
         assert sum(summary["flip_regions"]["flipped"].values()) == 4
         for name in ("memory_map.png", "flip_memory_map.png"):
             assert_png(folder / name, MEMORY_MAP_SIZE)
