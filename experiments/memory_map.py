@@ -104,7 +104,7 @@ network without a posterior gives), the residual size ‖eᵢ‖₁ alone (the s
 variance removed) and the total prediction variance alone (with the residual removed)."""
 
 ERROR_THRESHOLD, VARIANCE_QUANTILE = 1.0, 0.9
-"""The region boundaries of the two-axis maps (:meth:`liegroup_blr.MemoryMap.regions`)."""
+"""The region boundaries of the two-axis maps (:meth:`liegroup_blr.memory.MemoryMap.regions`)."""
 
 BLR = ("additive", "multiplicative", "affine")
 SCORES_FILE, FLIP_SCORES, RETRAIN, SUMMARY = (
