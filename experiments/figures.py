@@ -272,22 +272,23 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, Any]], path: Path, tit
 
 
 def error_variance_map(
-    axes: Mapping[str, np.ndarray],
+    error: np.ndarray,
+    variance: np.ndarray,
+    scores: np.ndarray,
     regions: np.ndarray,
     bounds: tuple[float, float],
     path: Path,
     title: str,
     marked: Sequence[int] = (),
 ) -> None:
-    """The two-axis memory map: every example at its prediction error ``axes["residual"]``
-    (‖eᵢ‖₁) and total prediction variance ``axes["variance"]``, log-log, coloured by its
-    log₁₀ score ``axes["default"]`` (colour bar). The region boundaries ``bounds`` (error,
-    variance) are drawn and each region named with its count (``regions``: indices into
-    :data:`liegroup_blr.memory.REGIONS`); ``marked`` examples are ringed in red."""
-    error, variance = axes["residual"], axes["variance"]
+    """The two-axis memory map: every example at its prediction ``error`` (‖eᵢ‖₁) and total
+    prediction ``variance``, log-log, coloured by its log₁₀ score (colour bar). The region
+    boundaries ``bounds`` (error, variance) are drawn and each region named with its count
+    (``regions``: indices into :data:`liegroup_blr.memory.REGIONS`); ``marked`` examples are
+    ringed in red."""
     error = np.maximum(error, error[error > 0].min() if (error > 0).any() else 1e-12)
     fig, ax = plt.subplots(figsize=ERROR_VARIANCE_SIZE)
-    logs = np.log10(np.maximum(axes["default"], 1e-30))
+    logs = np.log10(np.maximum(scores, 1e-30))
     points = ax.scatter(error, variance, c=logs, s=6, cmap="viridis", label="training examples")
     fig.colorbar(points, ax=ax, label="log₁₀ score")
     if len(marked):

@@ -603,9 +603,11 @@ def _maps(
         f"{title}: {name}",
         marked=marked,
     )
-    variance = score["variance"].double()
+    error, variance, default = (score[k].double() for k in ("residual", "variance", "default"))
     figures.error_variance_map(
-        {k: score[k].double().numpy() for k in ("residual", "variance", "default")},
+        error.numpy(),
+        variance.numpy(),
+        default.numpy(),
         score["regions"].numpy(),
         (ERROR_THRESHOLD, float(torch.quantile(variance, VARIANCE_QUANTILE))),
         folder / f"{prefix}error_variance.png",
