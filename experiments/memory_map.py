@@ -783,12 +783,15 @@ def report(
                     f"{_mean_sd(e[f'above_{key}'])})"
                     for key, name in FLOORS.items()
                 )
+                paired = "; ".join(
+                    f"minus the {b} alone's: {_paired(res, epoch, space, b)}" for b in BASELINES[:2]
+                )
                 lines.append(
                     f"- {space}, after {epoch} epochs, random examples: median true change "
                     f"{_mean_sd(e['truth_median'], 2, 'e')}; floors: {floors}; Spearman of "
                     f"truth and drift {_mean_sd(e['truth_drift_spearman'])}; the "
                     f"{memory['top']} highest-scored change {_mean_sd(e['top_over_random'], 1)}× "
-                    "as much (medians)."
+                    f"as much (medians); per seed, the default's Spearman {paired}."
                 )
             lines.append(
                 f"- after {epoch} epochs the own label's probability drops for "
@@ -809,6 +812,17 @@ def report(
             ]
         lines.append("")
     return "\n".join(lines)
+
+
+def _paired(res: dict[str, Any], epoch: str, space: str, baseline: str) -> str:
+    """Per seed, the default's Spearman correlation with the true change minus the
+    ``baseline``'s (a paired difference: both ranked the same retrained examples)."""
+    out = []
+    for summary in res["per_seed"].values():
+        entry = summary["retraining"][epoch]
+        a, b = (entry[k][space]["spearman"] for k in ("default", baseline))
+        out.append("n/a" if a is None or b is None else f"{a - b:+.3f}")
+    return ", ".join(out)
 
 
 def _show(results: dict[str, Any], out: Path) -> None:
