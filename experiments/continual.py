@@ -655,9 +655,10 @@ def continual(
             }
             for label in configs
         }
-        first = next(iter(configs.values()))
-        samples = next(iter(first.values()))["eval"]["samples"]
-        continual_report.average_accuracy_figure(summary, samples, out / "average_accuracy.png")
+        first = next(iter(next(iter(configs.values())).values()))
+        figure = out / "average_accuracy.png"
+        title = continual_report.figure_title(first, list(next(iter(configs.values()))))
+        continual_report.average_accuracy_figure(summary, first["eval"]["samples"], figure, title)
         runfiles.write_json(out / RESULTS, results)
         runfiles.write_text(out / "report.md", continual_report.report(configs, results) + "\n")
     return results

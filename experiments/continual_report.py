@@ -173,7 +173,7 @@ def matrix_table(mean_matrix: Sequence[Sequence[float]]) -> list[str]:
 
 
 def average_accuracy_figure(
-    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path
+    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path, title: str = ""
 ) -> None:
     """Average accuracy against tasks learned: per method (one colour) the mean over seeds
     as a line and the band between the lowest and the highest seed; a rule with a
@@ -187,7 +187,22 @@ def average_accuracy_figure(
         if estimate == "average":
             point = np.asarray([c["values"] for c in by_estimate["point"]["average_accuracy"]])
             curves[label]["dashed"] = 100 * point.mean(1)
-    figures.average_accuracy(curves, path)
+    figures.average_accuracy(curves, path, title)
+
+
+def stream_name(stream: Mapping[str, Any]) -> str:
+    """E.g. ``split mnist5k, multi-head``."""
+    heads = f", {stream['heads']}-head" if stream["name"] == "split" else ""
+    return f"{stream['name']} {stream['dataset']}{heads}"
+
+
+def figure_title(cfg: Mapping[str, Any], seeds: Sequence[int]) -> str:
+    """The figure's title: the stream, its passes, the network and the seeds."""
+    return (
+        f"{stream_name(cfg['stream'])}, {cfg['stream']['tasks']} tasks: "
+        f"{cfg['train']['epochs']} passes per task, MLP {cfg['model']['widths']}, seeds "
+        f"{list(seeds)}"
+    )
 
 
 def _hyperparameters(method: Mapping[str, Any]) -> str:
@@ -210,9 +225,8 @@ def report(
     sizes = next(iter(some.values()))
     seeds = next(iter(results.values()))["seeds"]
     summary = {label: r["summary"] for label, r in results.items()}
-    heads = f", {stream['heads']}-head" if stream["name"] == "split" else ""
     lines = [
-        f"# Continual learning: {stream['name']} {stream['dataset']}{heads}",
+        f"# Continual learning: {stream_name(stream)}",
         "",
         f"{stream['tasks']} tasks of {_sizes(sizes['train_sizes'])} training and "
         f"{_sizes(sizes['test_sizes'])} {sizes['eval_set']} images; MLP {model['widths']} "

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import cli, compare, continual, runfiles, tune
+from experiments import cli, compare, continual, tune
 from experiments.config import ConfigError
 
 METRICS = ("final_accuracy", "nll")
@@ -49,22 +49,8 @@ def continual_tune(
                 f"method {label!r}: tuning must not see the test set; set [stream] validation "
                 "to the number of training examples to hold out"
             )
-    written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
-    with runfiles.locked(out):
-        compare.check_folder(out, written, resume)
-        runfiles.remove_leftovers(out)
-        runfiles.write_json(out / continual.CONFIG, written)
-        outcomes = {
-            label: {
-                str(s): tune.train_point(continual.run, cfg, out / label / f"seed{s}", resume)
-                for s, cfg in by_seed.items()
-            }
-            for label, by_seed in configs.items()
-        }
-        results = tune.choose(points, outcomes, configs, metric, estimate, table="method")
-        runfiles.write_json(out / "tuned.json", results)
-        runfiles.write_text(out / "tuning.md", report(results, metric, estimate) + "\n")
-    return results
+    by = (metric, estimate)
+    return tune.run_grid(configs, points, out, resume, continual.run, by, "method", report)
 
 
 def _mean(runs: Sequence[dict[str, Any]], estimate: str, key: str) -> str:
@@ -116,17 +102,12 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
     return "\n".join(lines)
 
 
-def _show(results: dict[str, Any], out: Path) -> None:
-    print((out / "tuning.md").read_text())
-    print(f"tuning in {out}")
-
-
 def main(argv: list[str] | None = None) -> int:
     return cli.run(
         "python -m experiments.continual_tune",
         __doc__,
         continual_tune,
-        _show,
+        tune.show,
         argv,
         compare.parse_seeds,
     )

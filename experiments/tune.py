@@ -95,6 +95,27 @@ def tune(
                 f"run {label!r}: tuning must not see the test set; set [data] validation to "
                 "the number of training examples to hold out"
             )
+    return run_grid(configs, points, out, resume, train, (metric, estimate))
+
+
+Runner = Callable[[dict[str, Any], Path, bool], dict[str, Any]]
+"""Trains one run config into a folder (resuming or not) and returns its results."""
+
+
+def run_grid(
+    configs: dict[str, dict[int, dict[str, Any]]],
+    points: dict[str, list[dict[str, Any]]],
+    out: Path,
+    resume: bool,
+    runner: Runner,
+    by: tuple[str, str],
+    table: str = "optimizer",
+    write: Callable[[dict[str, Any], str, str], str] | None = None,
+) -> dict[str, Any]:
+    """Train every resolved grid point (``LABEL.I`` → seed → config) with ``runner`` into
+    ``out/LABEL.I/seedS``, choose per label by (metric, estimate) ``by`` (:func:`choose`),
+    and write ``config.json``, ``tuned.json`` and ``tuning.md`` (``write``, default
+    :func:`report`)."""
     written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
     with runfiles.locked(out):
         compare.check_folder(out, written, resume)
@@ -102,19 +123,19 @@ def tune(
         runfiles.write_json(out / "config.json", written)
         outcomes = {
             label: {
-                str(s): train_point(train, cfg, out / label / f"seed{s}", resume)
+                str(s): train_point(runner, cfg, out / label / f"seed{s}", resume)
                 for s, cfg in by_seed.items()
             }
             for label, by_seed in configs.items()
         }
-        results = choose(points, outcomes, configs, metric, estimate)
+        results = choose(points, outcomes, configs, *by, table)
         runfiles.write_json(out / "tuned.json", results)
-        runfiles.write_text(out / "tuning.md", report(results, metric, estimate) + "\n")
+        runfiles.write_text(out / "tuning.md", (write or report)(results, *by) + "\n")
     return results
 
 
 def train_point(
-    runner: Callable[[dict[str, Any], Path, bool], dict[str, Any]],
+    runner: Runner,
     cfg: dict[str, Any],
     folder: Path,
     resume: bool,
@@ -207,13 +228,14 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
     return "\n".join(lines)
 
 
-def _show(results: dict[str, Any], out: Path) -> None:
+def show(results: dict[str, Any], out: Path) -> None:
+    """Print a tuning's report and where it is."""
     print((out / "tuning.md").read_text())
     print(f"tuning in {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.tune", __doc__, tune, _show, argv, compare.parse_seeds)
+    return cli.run("python -m experiments.tune", __doc__, tune, show, argv, compare.parse_seeds)
 
 
 if __name__ == "__main__":
