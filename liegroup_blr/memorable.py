@@ -26,6 +26,7 @@ KL here compares predictive distributions directly, so it needs nothing but the 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -80,7 +81,8 @@ class MemorablePast:
         targets: ``[M]`` their labels.
         tasks: ``[M]`` the index of the task each came from (0 for the first added).
         probabilities: ``[M, K]`` the stored posterior predictive :math:`\bar p_i`.
-        scores: ``[M]`` their memory-map scores (for a random memory too, for comparison).
+        scores: ``[M]`` their memory-map scores (NaN in a random memory, which scores
+            nothing).
 
     Raises:
         ValueError: naming the argument, for ``per_task`` < 1 or an unknown selection.
@@ -119,9 +121,10 @@ class MemorablePast:
     ) -> Tensor:
         r"""Keep ``per_task`` examples of a finished task and the posterior predictive on them.
 
-        Scores every example with :func:`~liegroup_blr.sensitivity` at its defaults, keeps the
-        highest (``"sensitivity"``, in descending order of score) or a uniform draw
-        (``"random"``), and stores :math:`\bar p_i` from ``samples`` posterior samples.
+        ``"sensitivity"`` scores every example with :func:`~liegroup_blr.sensitivity` at its
+        defaults and keeps the highest, in descending order of score; ``"random"`` keeps a
+        uniform draw and scores nothing. Stores :math:`\bar p_i` from ``samples`` posterior
+        samples.
 
         Args:
             model: the network, its outputs the logits of the task's classes (a multi-head
@@ -144,16 +147,17 @@ class MemorablePast:
         """
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples: must be an integer >= 1, got {samples!r}")
-        scores = sensitivity(
-            model, posterior, inputs, targets, batch_size=batch_size, generator=generator
-        )
-        keep = min(self.per_task, len(scores))
+        keep = min(self.per_task, len(inputs))
         if self.selection == "sensitivity":
-            rows = scores.topk(keep).indices
+            scores = sensitivity(
+                model, posterior, inputs, targets, batch_size=batch_size, generator=generator
+            )
+            rows = scores.topk(keep).indices.to(inputs.device)
+            kept = scores[rows.to(scores.device)].to(inputs.device)
         else:
-            device = scores.device if generator is None else generator.device
-            rows = torch.randperm(len(scores), generator=generator, device=device)[:keep]
-        rows = rows.to(inputs.device)
+            device = inputs.device if generator is None else generator.device
+            rows = torch.randperm(len(inputs), generator=generator, device=device)[:keep]
+            rows, kept = rows.to(inputs.device), torch.full((keep,), math.nan, device=inputs.device)
         if not isinstance(posterior, Posterior):
             posterior = Posterior.from_optimizer(posterior, model)
         probabilities = _predictive(model, posterior, inputs[rows], samples, generator)
@@ -168,7 +172,7 @@ class MemorablePast:
             "targets": targets[rows.to(targets.device)],
             "tasks": torch.full((keep,), self.num_tasks, device=inputs.device),
             "probabilities": probabilities,
-            "scores": scores[rows.to(scores.device)],
+            "scores": kept,
         }
         for name, value in new.items():
             old = getattr(self, name)

@@ -68,10 +68,10 @@ def test_random_selection_is_the_generator_s_uniform_draw() -> None:
     model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
     memory = MemorablePast(5, selection="random")
     chosen = memory.add_task(model, post, x, y, generator=torch.Generator().manual_seed(7))
-    # the Jacobian form draws nothing, so the choice is the generator's first permutation
+    # nothing is scored: the choice is the generator's first permutation
     expected = torch.randperm(30, generator=torch.Generator().manual_seed(7))[:5]
     assert torch.equal(chosen, expected)
-    assert torch.equal(memory.scores, lgb.sensitivity(model, post, x, y)[expected])
+    assert torch.equal(memory.inputs, x[expected]) and torch.all(memory.scores.isnan())
 
 
 def test_stored_predictions_are_the_posterior_predictive() -> None:
@@ -164,25 +164,27 @@ def test_penalty_is_the_mean_kl_from_the_stored_predictions() -> None:
 def test_state_dict_save_and_load_round_trip(tmp_path: Path) -> None:
     x, y, _ = constructed_task()
     model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
-    memory = MemorablePast(4, selection="random")
+    memory = MemorablePast(4)
     generator = torch.Generator().manual_seed(3)
     memory.add_task(model, post, x, y, generator=generator)
     memory.add_task(model, post, -x, y, generator=generator)
     path = tmp_path / "memory.pt"
     memory.save(path)
     loaded = MemorablePast.load(path)
-    assert (loaded.per_task, loaded.selection, loaded.num_tasks) == (4, "random", 2)
+    assert (loaded.per_task, loaded.selection, loaded.num_tasks) == (4, "sensitivity", 2)
     for name in ("inputs", "targets", "tasks", "probabilities", "scores"):
         assert torch.equal(getattr(loaded, name), getattr(memory, name)), name
     logits = torch.randn(8, K)
     assert torch.equal(loaded.penalty(logits), memory.penalty(logits))
-    again = MemorablePast(4, selection="random")
+    again = MemorablePast(4)
     again.load_state_dict(memory.state_dict())
     assert torch.equal(again.probabilities, memory.probabilities)
     with pytest.raises(ValueError, match="per_task=4"):
-        MemorablePast(5, selection="random").load_state_dict(memory.state_dict())
+        MemorablePast(5).load_state_dict(memory.state_dict())
+    with pytest.raises(ValueError, match="selection='sensitivity'"):
+        MemorablePast(4, selection="random").load_state_dict(memory.state_dict())
     with pytest.raises(ValueError, match="missing"):
-        again.load_state_dict({"per_task": 4, "selection": "random"})
+        again.load_state_dict({"per_task": 4, "selection": "sensitivity"})
 
 
 def test_an_optimizer_is_read_as_its_posterior() -> None:
