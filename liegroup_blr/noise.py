@@ -11,6 +11,12 @@ random integer instead of a random number per coordinate, as evolution-strategie
 Antithetic sampling pairs ξ with its reflection :math:`2c - \xi` about the centre c of a
 symmetric base: half the draws, and lower variance of the gradient estimate.
 
+Draws for prediction (``start_sample(train=False)``: model averages, ``sampled_params()``
+outside training) come from generators of their own, seeded from the same seed and saved in
+the same state dict, so evaluating never advances the training noise: a run that evaluates
+trains exactly like one that does not, ranks that evaluate on one process only stay in step,
+and a checkpoint resumes bit for bit whatever was evaluated before it.
+
 A sharded (DTensor, FSDP2) parameter's shard is served the part of the whole parameter's
 table window that it covers, addressed by global index: the same values as one process,
 however the parameter is split. Fresh draws for a shard come from the shard's own generator
@@ -129,19 +135,27 @@ class NoiseSource:
         self.kind, self.seed, self.rank = kind, int(seed), rank
         self.antithetic, self.table_size = bool(antithetic), table_size
         self._generators: dict[tuple[torch.device, str], torch.Generator] = {}
+        self._predict: dict[tuple[torch.device, str], torch.Generator] = {}  # prediction draws
         self._tables: dict[tuple[int, torch.device, torch.dtype], NoiseTable] = {}
         self._kept: dict[Tensor, Tensor] = {}  # first draw of the current antithetic pair
         self._reflect_next = False
         self._reflect = self._keep = False
+        self._train = True  # whether the open sample is a training sample
 
-    def generator(self, device: torch.device, shard: str = "") -> torch.Generator:
-        """The generator of ``device`` (made on first use from the seed, device and rank), or
-        of a ``shard`` of sharded parameters on it (:func:`~liegroup_blr.noise.shard_name`)."""
-        gen = self._generators.get((device, shard))
+    def generator(
+        self, device: torch.device, shard: str = "", *, predict: bool = False
+    ) -> torch.Generator:
+        """The training generator of ``device`` (made on first use from the seed, device and
+        rank), or of a ``shard`` of sharded parameters on it
+        (:func:`~liegroup_blr.noise.shard_name`); ``predict``: the generator of prediction
+        draws instead, seeded apart from it."""
+        gens = self._predict if predict else self._generators
+        gen = gens.get((device, shard))
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed ^ zlib.crc32(f"{device}:{self.rank}{shard}".encode()))
-            self._generators[device, shard] = gen
+            name = f"{device}:{self.rank}{shard}" + (":predict" if predict else "")
+            gen.manual_seed(self.seed ^ zlib.crc32(name.encode()))
+            gens[device, shard] = gen
         return gen
 
     def table(self, base: Distribution, index: int, like: Tensor, largest: int) -> NoiseTable:
@@ -161,7 +175,9 @@ class NoiseSource:
         return tables + sum(k.nbytes for k in self._kept.values())
 
     def start_sample(self, train: bool) -> None:
-        """Open one sample: a training sample is the first or the second of a pair."""
+        """Open one sample: a training sample is the first or the second of a pair; any other
+        is drawn from the prediction generators."""
+        self._train = train
         self._reflect = train and self._reflect_next
         self._keep = train and self.antithetic and not self._reflect
         if train and self.antithetic:
@@ -186,10 +202,11 @@ class NoiseSource:
             if centre:
                 torch._foreach_add_(outs, 2 * centre)
             return outs
-        sharded = any(isinstance(k, SHARDED) for k in keys)
+        sharded, predict = any(isinstance(k, SHARDED) for k in keys), not self._train
         if self.kind == "table":
             largest = 2 * max(k.numel() for k in keys)  # 2: signed parts
-            offsets = torch.randint(0, 2**62, (len(outs),), generator=self.generator(_CPU))
+            cpu = self.generator(_CPU, predict=predict)
+            offsets = torch.randint(0, 2**62, (len(outs),), generator=cpu)
             xis = [
                 self.table(base, index, out, largest).window(out.numel(), offset).view(out.shape)
                 if not sharded
@@ -198,11 +215,11 @@ class NoiseSource:
             ]
         elif not sharded and len(devices := {out.device for out in outs}) == 1:
             device = devices.pop()
-            gen = self._generators.get((device, "")) or self.generator(device)
-            xis = sample_each(base, outs, gen)
+            gen = (self._predict if predict else self._generators).get((device, ""))
+            xis = sample_each(base, outs, gen or self.generator(device, predict=predict))
         else:
             xis = [
-                sample_into(base, out, self.generator(out.device, shard_name(k)))
+                sample_into(base, out, self.generator(out.device, shard_name(k), predict=predict))
                 for out, k in zip(outs, keys, strict=True)
             ]
         if self._keep:
@@ -217,11 +234,12 @@ class NoiseSource:
         """Make now every generator draws for the parameters ``keys`` will use, so that a
         state dict lists them all (DCP loads only the entries of the state dict it is
         given)."""
-        if self.kind == "table":
-            self.generator(_CPU)
-            return
-        for key in keys:
-            self.generator(key.device, shard_name(key))
+        for predict in (False, True):
+            if self.kind == "table":
+                self.generator(_CPU, predict=predict)
+                continue
+            for key in keys:
+                self.generator(key.device, shard_name(key), predict=predict)
 
     @staticmethod
     def _shard_window(table: NoiseTable, out: Tensor, key: Tensor, offset: int) -> Tensor:
@@ -232,27 +250,39 @@ class NoiseSource:
         return out.copy_(shard_of(whole, key))
 
     def state_dict(self) -> dict[str, Any]:
-        """Seed and generator states (tables are rebuilt from the seed)."""
-        rng = {
-            f"{device}{shard}": gen.get_state() for (device, shard), gen in self._generators.items()
+        """Seed and the states of the training (``"rng"``) and prediction (``"predict_rng"``)
+        generators (tables are rebuilt from the seed)."""
+        return {
+            "seed": self.seed,
+            "rng": _states(self._generators),
+            "predict_rng": _states(self._predict),
         }
-        return {"seed": self.seed, "rng": rng}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; tables and pairing start afresh."""
+        """Restore :meth:`state_dict`; tables and pairing start afresh, and prediction
+        generators missing from ``state`` (a state saved before they existed) start from the
+        seed."""
         self.seed = int(state.get("seed", self.seed))
         self._generators.clear()
+        self._predict.clear()
         self._tables.clear()
         self._kept.clear()
         self._reflect_next = False
-        for name, gen_state in state.get("rng", {}).items():
-            device, _, shard = name.partition("/")
-            self.generator(torch.device(device), shard and f"/{shard}").set_state(gen_state)
+        for key, predict in (("rng", False), ("predict_rng", True)):
+            for name, gen_state in state.get(key, {}).items():
+                device, _, shard = name.partition("/")
+                gen = self.generator(torch.device(device), shard and f"/{shard}", predict=predict)
+                gen.set_state(gen_state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_tables"] = {}  # deterministic in the seed: rebuilt, not copied
         return state
+
+
+def _states(generators: dict[tuple[torch.device, str], torch.Generator]) -> dict[str, Tensor]:
+    """Each generator's state, by ``"<device><shard>"``."""
+    return {f"{device}{shard}": gen.get_state() for (device, shard), gen in generators.items()}
 
 
 def shard_name(key: Tensor) -> str:

@@ -295,8 +295,8 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         of the base space with :func:`~liegroup_blr.distributions.sample_into` from
         ``generator`` (default: torch's global generator), entry by entry in order: the
         order in which an optimizer draws its fresh noise, so a generator in the state of
-        the optimizer's (``optimizer.state_dict()["rng"]``) gives its next
-        ``sampled_params()`` sample bit for bit."""
+        the optimizer's generator of prediction draws (``optimizer.state_dict()
+        ["predict_rng"]``) gives its next ``sampled_params()`` sample bit for bit."""
         out = {}
         for key, e in self.items():
             xi = e.element.new_empty(e.group.base_shape(e.shape))

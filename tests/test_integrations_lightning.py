@@ -209,6 +209,37 @@ def test_checkpoint_holds_the_point_estimate_and_resumes_bit_for_bit(tmp_path, b
         assert torch.equal(w, v)  # the same samples after the resume
 
 
+def test_validating_at_the_model_average_keeps_training_and_resumes_bit_for_bit(tmp_path):
+    """``BLRCallback(evaluate="average")`` validating after every epoch in sample mode: the
+    same training as without validation, and a resume from the checkpoint taken after the
+    first validation equals the uninterrupted run (on the old main: 1.3e-2 apart)."""
+    import lightning.pytorch as pl
+
+    from liegroup_blr.integrations.lightning import BLRCallback
+
+    def make(params: Any) -> BLROptimizer:
+        return lgb.AffineBLR(
+            params, lr=0.2, scale_lr=0.05, data_size=64, seed=3, between_steps="sample"
+        )
+
+    val = loader(*task(BATCH, seed=1))
+    options = {"max_epochs": 2, "limit_train_batches": 2, "val": val}
+    full = classifier(make)
+    full_trainer = fit(full, [BLRCallback(evaluate="average", samples=2)], **options)
+    quiet = classifier(make)
+    quiet_trainer = fit(quiet, max_epochs=2, limit_train_batches=2)
+    a, q = full_trainer.optimizers[0], quiet_trainer.optimizers[0]
+    assert_same(elements(a, full.net), elements(q, quiet.net))
+    saving = pl.callbacks.ModelCheckpoint(tmp_path, save_top_k=-1)
+    callbacks = [BLRCallback(evaluate="average", samples=2), saving]
+    fit(classifier(make), callbacks, **{**options, "max_epochs": 1}, enable_checkpointing=True)
+    (path,) = tmp_path.glob("*.ckpt")
+    resumed = classifier(make)
+    callbacks = [BLRCallback(evaluate="average", samples=2)]
+    resumed_trainer = fit(resumed, callbacks, ckpt_path=path, **options)
+    assert_same(elements(a, full.net), elements(resumed_trainer.optimizers[0], resumed.net))
+
+
 def test_accumulate_grad_batches_in_sample_mode_is_one_sample_on_both_micro_batches():
     make = additive("sample")
     model = classifier(make)

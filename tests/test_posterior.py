@@ -3,9 +3,9 @@ samples bit for bit, survives state dicts and files (in a fresh process too), an
 what it cannot do in one line.
 
 "The same noise": a posterior draws its base noise with ``sample_into`` entry by entry in the
-optimizer's order, so a generator put in the state of the optimizer's own noise generator
-(``optimizer.state_dict()["rng"]["cpu"]``, a documented method) reproduces the optimizer's
-next ``sampled_params()`` sample (fresh noise, eager steps).
+optimizer's order, so a generator put in the state of the optimizer's generator of prediction
+draws (``optimizer.state_dict()["predict_rng"]["cpu"]``, a documented entry) reproduces the
+optimizer's next ``sampled_params()`` sample (fresh noise, eager steps).
 """
 
 from __future__ import annotations
@@ -124,9 +124,9 @@ def same(a: list[Tensor], b: list[Tensor]) -> bool:
 
 
 def optimizer_generator(opt: BLROptimizer) -> torch.Generator:
-    """A generator in the state of the optimizer's CPU noise generator."""
+    """A generator in the state of the optimizer's CPU generator of prediction draws."""
     gen = torch.Generator()
-    gen.set_state(opt.state_dict()["rng"][CPU])
+    gen.set_state(opt.state_dict()["predict_rng"][CPU])
     return gen
 
 
@@ -193,7 +193,7 @@ def test_model_average_from_the_posterior_equals_the_optimizers(rule: str) -> No
     own generator), both generators in one state: the same average, bit for bit."""
     model, opt = trained(rule)
     post = Posterior.from_optimizer(opt, model)
-    state = opt.state_dict()["rng"][CPU]
+    state = opt.state_dict()["predict_rng"][CPU]
     batches = [INPUTS[:20], INPUTS[20:]]
     expected = predictive_log_probs(model, batches, opt, samples=5)
     with torch.random.fork_rng(devices=[]):

@@ -264,8 +264,10 @@ class GroupStateOptimizer(Optimizer):
             group.pop("base", None)
             group.pop("group", None)
             group["rule"] = self._describe(live)
-        noise = self._engine.resident_rng or self.noise_source.state_dict()  # before the
-        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]  # parameters' sample, if any
+        now = self.noise_source.state_dict()
+        noise = self._engine.resident_rng or now  # before the parameters' sample, if any
+        sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
+        sd["predict_rng"] = now["predict_rng"]  # prediction draws: as they are now
         sd["skipped_steps"] = self._engine.skipped
         sd.update(self._extra_state())
         for hook in post_hooks.values():
@@ -284,7 +286,7 @@ class GroupStateOptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        keys = ("rng", "seed", "skipped_steps", *self._extra_state_keys)
+        keys = ("rng", "predict_rng", "seed", "skipped_steps", *self._extra_state_keys)
         extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
         for i, (saved_group, live) in enumerate(
             zip(state_dict["param_groups"], self.param_groups, strict=False)
@@ -321,7 +323,11 @@ class GroupStateOptimizer(Optimizer):
             group.update(construction)
         if "rng" in extras:
             self.noise_source.load_state_dict(
-                {"seed": extras.get("seed", self.seed), "rng": extras["rng"]}
+                {
+                    "seed": extras.get("seed", self.seed),
+                    "rng": extras["rng"],
+                    "predict_rng": extras.get("predict_rng", {}),
+                }
             )
             self.noise_source.make_generators(list(self.state))
         else:
