@@ -19,9 +19,9 @@ per method, with its ``strategy`` and an ``[methods.LABEL.optimizer]`` table
   every task keeps the first task's N(0, 1/δ) prior and entropy term (the rule fine-tunes).
   ``memory = m`` > 0 keeps m examples of every finished task in a
   :class:`liegroup_blr.MemorablePast` (``memory_selection``: ``"sensitivity"``, the highest
-  memory-map scores, or ``"random"``) and adds ``memory_strength`` λ times its functional
-  regulariser, on a minibatch of the memory as large as the data's, to every later step's
-  loss.
+  memory-map scores, or ``"random"``) and adds ``memory_strength`` λ times its replay loss
+  (the cross-entropy of a minibatch of the memory as large as the data's, each example on its
+  task's head) to every later step's loss.
 
 ``[stream] validation = V`` > 0 holds out V examples of the dataset's training set (drawn
 with ``validation_seed``, :func:`experiments.data.validation_split`): the tasks are built from
@@ -342,8 +342,8 @@ def _training_set(learner: Learner, t: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor | None) -> Any:
-    """Mean cross-entropy over each example's head (+ the EWC penalty, + λ times the memory's
-    functional regulariser on its ``rows``), backward."""
+    """Mean cross-entropy over each example's head (+ the EWC penalty, + λ times the replay
+    loss of the memory's ``rows``), backward."""
 
     def closure() -> Tensor:
         learner.optimizer.zero_grad()
@@ -351,19 +351,19 @@ def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor 
         if learner.ewc is not None:
             loss = loss + learner.ewc.penalty(learner.model)
         if rows is not None:
-            loss = loss + learner.cfg["method"]["memory_strength"] * _memory_penalty(learner, rows)
+            loss = loss + learner.cfg["method"]["memory_strength"] * _replay_loss(learner, rows)
         loss.backward()
         return loss.detach()
 
     return closure
 
 
-def _memory_penalty(learner: Learner, rows: Tensor) -> Tensor:
-    """The memory's functional regulariser on its ``rows``, each on its task's head."""
+def _replay_loss(learner: Learner, rows: Tensor) -> Tensor:
+    """The memory's replay loss on its ``rows``, each on its task's head."""
     memory = learner.memory
     assert memory is not None
     logits = learner.model(memory.inputs[rows])
-    return memory.penalty(logits.gather(1, learner.columns[memory.tasks[rows]]), rows)
+    return memory.loss(logits.gather(1, learner.columns[memory.tasks[rows]]), rows)
 
 
 def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, epoch: int) -> float:
@@ -437,7 +437,6 @@ def _remember(learner: Learner, t: int) -> None:
         learner.optimizer,
         task.train_x,
         labels,
-        samples=learner.cfg["eval"]["samples"],
         generator=generator,
     )
 

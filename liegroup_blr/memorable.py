@@ -1,27 +1,21 @@
-r"""The memorable past: a small memory of each finished task, kept beside the posterior, and a
-functional regulariser that holds the network's predictions on it.
+r"""The memorable past: a small memory of each finished task, kept beside the posterior, and
+its replay in the losses of later tasks.
 
-After task :math:`t` the memory keeps :math:`m` of the task's training examples: those with
-the highest memory-map scores :math:`s_i` (:func:`liegroup_blr.sensitivity`, the estimated
-change of an example's prediction were it removed from training: the examples the posterior
-rests on, the "memorable past" of Pan et al., NeurIPS 2020), or :math:`m` drawn at random
-(the control). With each it stores the posterior predictive of the task's posterior
-:math:`q_t`,
+After task :math:`t` the memory keeps :math:`m` of the task's training examples
+:math:`(x_i, y_i)`: those with the highest memory-map scores :math:`s_i`
+(:func:`liegroup_blr.sensitivity`, the estimated change of an example's prediction were it
+removed from training: the examples the posterior rests on, the "memorable past" of Pan et
+al., NeurIPS 2020), or :math:`m` drawn at random (the control). In later tasks the
+**replay loss** is the mean negative log-likelihood of memory rows :math:`B` (all of them,
+or a minibatch),
 
-.. math:: \bar p_i = \frac1S\sum_{s=1}^S \operatorname{softmax} f(x_i; \theta_s), \qquad
-          \theta_s \sim q_t .
+.. math:: R(\theta) = -\frac1{|B|}\sum_{i\in B} \log \operatorname{softmax} f(x_i;\theta)_{y_i},
 
-In later tasks the **functional regulariser** is the mean KL divergence from those stored
-predictions to the network's,
-
-.. math:: R(\theta) = \frac1{|B|}\sum_{i\in B}
-          \mathrm{KL}\big(\bar p_i \,\big\|\, \operatorname{softmax} f(x_i;\theta)\big),
-
-over memory rows :math:`B` (all of them, or a minibatch), added to the task's mean loss with
-a weight :math:`\lambda`: a rule with the previous posterior as prior then minimises
+added to the task's mean loss with a weight :math:`\lambda`: a rule with the previous
+posterior as prior then minimises
 :math:`\mathbb E_q[\bar\ell_t + \lambda R] + \frac{\tau}{N_t}\mathrm{KL}(q\,\|\,q_{t-1})`.
-Unlike FROMP, which weighs the memory's function values by a Gaussian-process kernel, the
-KL here compares predictive distributions directly, so it needs nothing but the logits.
+The prior carries what the weights learned; the replayed examples put a few of the old
+tasks' likelihood terms back (VCL's coreset, Nguyen et al., ICLR 2018, in a loss).
 """
 
 from __future__ import annotations
@@ -32,11 +26,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.functional import cross_entropy
 
 from . import posterior_io
 from .memory import sensitivity
 from .posterior import Posterior
-from .predictive import log_mean_softmax
 
 __all__ = ["SELECTIONS", "MemorablePast"]
 
@@ -45,12 +39,12 @@ SELECTIONS = ("sensitivity", "random")
 highest :func:`~liegroup_blr.sensitivity` scores) or ``"random"`` (uniformly, without
 replacement: the control)."""
 
-_FIELDS = ("inputs", "targets", "tasks", "probabilities", "scores")
+_FIELDS = ("inputs", "targets", "tasks", "scores")
 
 
 class MemorablePast:
-    r"""A memory of ``per_task`` training examples of every finished task, with the posterior
-    predictive on them, and the functional regulariser :math:`R(\theta)` that keeps it.
+    r"""A memory of ``per_task`` training examples of every finished task and the replay loss
+    :math:`R(\theta)` on it.
 
     The optimizer's :meth:`~liegroup_blr.optim.BLROptimizer.next_task` carries the posterior
     over to the next task and sees no data; this object carries a few examples::
@@ -65,7 +59,7 @@ class MemorablePast:
                     optimizer.zero_grad()
                     loss = cross_entropy(model(xb), yb)
                     if len(memory):
-                        loss = loss + strength * memory.penalty(model(memory.inputs))
+                        loss = loss + strength * memory.loss(model(memory.inputs))
                     loss.backward()
                     return loss
 
@@ -80,9 +74,9 @@ class MemorablePast:
         inputs: ``[M, ...]`` the kept inputs, task after task.
         targets: ``[M]`` their labels.
         tasks: ``[M]`` the index of the task each came from (0 for the first added).
-        probabilities: ``[M, K]`` the stored posterior predictive :math:`\bar p_i`.
         scores: ``[M]`` their memory-map scores (NaN in a random memory, which scores
             nothing).
+        num_tasks: the tasks added.
 
     Raises:
         ValueError: naming the argument, for ``per_task`` < 1 or an unknown selection.
@@ -95,7 +89,7 @@ class MemorablePast:
             raise ValueError(f"selection: must be one of {SELECTIONS}, got {selection!r}")
         self.per_task = per_task
         self.selection = selection
-        self.inputs = self.targets = self.tasks = self.probabilities = self.scores = torch.empty(0)
+        self.inputs = self.targets = self.tasks = self.scores = torch.empty(0)
         self.num_tasks = 0
 
     def __len__(self) -> int:
@@ -115,38 +109,29 @@ class MemorablePast:
         inputs: Tensor,
         targets: Tensor,
         *,
-        samples: int = 32,
         batch_size: int = 256,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        r"""Keep ``per_task`` examples of a finished task and the posterior predictive on them.
+        """Keep ``per_task`` examples of a finished task.
 
         ``"sensitivity"`` scores every example with :func:`~liegroup_blr.sensitivity` at its
         defaults and keeps the highest, in descending order of score; ``"random"`` keeps a
-        uniform draw and scores nothing. Stores :math:`\bar p_i` from ``samples`` posterior
-        samples.
+        uniform draw and scores nothing (``model`` and ``posterior`` unused).
 
         Args:
             model: the network, its outputs the logits of the task's classes (a multi-head
-                network: a module giving this task's head). Run in eval mode, restored after.
+                network: a module giving this task's head).
             posterior: a :class:`~liegroup_blr.Posterior` of ``model``'s parameters, or the
                 Lie-group BLR optimizer that trained them.
             inputs: ``[n, ...]`` the task's training inputs.
             targets: ``[n]`` their labels in ``[0, K)``.
-            samples: posterior samples of the stored predictive.
             batch_size: examples per batch of the scores.
-            generator: draws the scores' samples, the random choice and the predictive's
-                samples (default: torch's global generator).
+            generator: draws the scores' posterior samples or the random choice (default:
+                torch's global generator).
 
         Returns:
             The indices of the kept examples in ``inputs``.
-
-        Raises:
-            ValueError: naming the argument, for ``samples`` < 1, or a model whose number of
-                outputs differs from the tasks already kept.
         """
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"samples: must be an integer >= 1, got {samples!r}")
         keep = min(self.per_task, len(inputs))
         if self.selection == "sensitivity":
             scores = sensitivity(
@@ -158,20 +143,10 @@ class MemorablePast:
             device = inputs.device if generator is None else generator.device
             rows = torch.randperm(len(inputs), generator=generator, device=device)[:keep]
             rows, kept = rows.to(inputs.device), torch.full((keep,), math.nan, device=inputs.device)
-        if not isinstance(posterior, Posterior):
-            posterior = Posterior.from_optimizer(posterior, model)
-        probabilities = _predictive(model, posterior, inputs[rows], samples, generator)
-        if len(self) and probabilities.shape[1:] != self.probabilities.shape[1:]:
-            raise ValueError(
-                f"model: gives {probabilities.shape[1]} outputs, the memory holds predictions "
-                f"over {self.probabilities.shape[1]}; give every task's head the same number of "
-                "classes"
-            )
         new = {
             "inputs": inputs[rows],
             "targets": targets[rows.to(targets.device)],
             "tasks": torch.full((keep,), self.num_tasks, device=inputs.device),
-            "probabilities": probabilities,
             "scores": kept,
         }
         for name, value in new.items():
@@ -180,30 +155,28 @@ class MemorablePast:
         self.num_tasks += 1
         return rows
 
-    # ---------------------------------------------------------- regulariser
-    def penalty(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
-        r""":math:`R(\theta) = \frac1{|B|}\sum_{i\in B}\mathrm{KL}(\bar p_i \,\|\,
-        \operatorname{softmax}(\text{logits}_i))`, differentiable in ``logits``.
+    # ---------------------------------------------------------------- replay
+    def loss(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
+        r""":math:`R(\theta) = -\frac1{|B|}\sum_{i\in B}\log\operatorname{softmax}
+        (\text{logits}_i)_{y_i}`, the mean cross-entropy of memory ``rows`` with their labels,
+        differentiable in ``logits``.
 
         Args:
             logits: ``[|B|, K]`` the network's logits on ``inputs[rows]``.
             rows: the memory rows ``B`` (default: every row, in order).
 
         Raises:
-            ValueError: for an empty memory or logits whose shape is not the rows'.
+            ValueError: for an empty memory or logits of other rows.
         """
         if not len(self):
             raise ValueError("memory: empty; add_task() a finished task first")
-        p = self.probabilities if rows is None else self.probabilities[rows]
-        if logits.shape != p.shape:
+        y = self.targets if rows is None else self.targets[rows]
+        if logits.ndim != 2 or len(logits) != len(y):
             raise ValueError(
-                f"logits: shape {tuple(logits.shape)}, the memory rows' predictions have "
-                f"{tuple(p.shape)}; pass the logits of inputs[rows]"
+                f"logits: shape {tuple(logits.shape)} for {len(y)} memory rows; pass the "
+                "logits [rows, classes] of inputs[rows]"
             )
-        p = p.to(logits.dtype)
-        log_q = torch.log_softmax(logits, dim=-1)
-        cross = torch.where(p > 0, p * log_q, 0.0)  # 0 · log 0 = 0, also where q underflows
-        return (torch.xlogy(p, p) - cross).sum(-1).mean()
+        return cross_entropy(logits, y.to(logits.device))
 
     # ---------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:
@@ -255,26 +228,3 @@ class MemorablePast:
     ) -> MemorablePast:
         """Read a file written by :meth:`save` (``torch.load(weights_only=True)``)."""
         return cls.from_state_dict(torch.load(path, map_location=map_location, weights_only=True))
-
-
-@torch.no_grad()
-def _predictive(
-    model: nn.Module,
-    posterior: Posterior,
-    inputs: Tensor,
-    samples: int,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    r""":math:`\bar p = \frac1S\sum_s\operatorname{softmax} f(x;\theta_s)`, :math:`\theta_s\sim q`,
-    over ``samples`` draws of ``posterior`` from ``generator`` in ``model`` (in eval mode,
-    restored after)."""
-    was_training = model.training
-    model.eval()
-    try:
-        logits = []
-        for _ in range(samples):
-            with posterior.sampled(model, generator):
-                logits.append(model(inputs))
-    finally:
-        model.train(was_training)
-    return log_mean_softmax(torch.stack(logits)).exp()

@@ -21,7 +21,6 @@ import liegroup_blr as lgb
 from liegroup_blr.groups import DiagonalAffineGroup
 from liegroup_blr.memorable import MemorablePast
 from liegroup_blr.posterior import Posterior, PosteriorEntry
-from liegroup_blr.predictive import predictive_log_probs
 
 K, D = 3, 4
 
@@ -52,7 +51,7 @@ def test_sensitivity_selection_keeps_the_examples_known_to_score_highest_in_orde
     model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
     for per_task in (5, 3):
         memory = MemorablePast(per_task)
-        chosen = memory.add_task(model, post, x, y, samples=4)
+        chosen = memory.add_task(model, post, x, y)
         assert chosen.tolist() == rows[:per_task]
         assert torch.equal(memory.inputs, x[rows[:per_task]])
         assert torch.equal(memory.targets, y[rows[:per_task]])
@@ -74,31 +73,6 @@ def test_random_selection_is_the_generator_s_uniform_draw() -> None:
     assert torch.equal(memory.inputs, x[expected]) and torch.all(memory.scores.isnan())
 
 
-def test_stored_predictions_are_the_posterior_predictive() -> None:
-    """A posterior of negligible width predicts softmax(W x) at its mean; a zero input gets the
-    uniform distribution from every sample."""
-    x, y, _ = constructed_task()
-    mean = torch.randn(K, D, generator=torch.Generator().manual_seed(1))
-    model, post = softmax_regression(mean, scale=1e-7)
-    before = model.weight.detach().clone()
-    memory = MemorablePast(30)
-    chosen = memory.add_task(model, post, x, y, samples=3)
-    expected = torch.softmax(x[chosen] @ mean.T, dim=-1)
-    assert torch.allclose(memory.probabilities, expected, atol=1e-5)
-    zero = (x[chosen] == 0).all(1)
-    assert torch.allclose(memory.probabilities[zero], torch.full((int(zero.sum()), K), 1 / K))
-    assert torch.equal(model.weight, before)  # the model's own values are back
-    # a wide posterior: the model average of lgb.predictive over the same draws
-    model, post = softmax_regression(mean, scale=3.0)
-    torch.manual_seed(2)
-    wide = MemorablePast(30)
-    chosen = wide.add_task(model, post, x, y, samples=16)  # the Jacobian form draws nothing
-    torch.manual_seed(2)
-    average = predictive_log_probs(model, [x[chosen]], post, samples=16).exp()
-    assert torch.allclose(wide.probabilities, average, atol=1e-6)
-    assert not torch.allclose(wide.probabilities, expected, atol=1e-2)
-
-
 def test_tasks_are_appended_with_their_index() -> None:
     x, y, rows = constructed_task()
     model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
@@ -108,57 +82,28 @@ def test_tasks_are_appended_with_their_index() -> None:
     assert len(memory) == 4 and memory.num_tasks == 2
     assert memory.tasks.tolist() == [0, 0, 1, 1]
     assert torch.equal(memory.inputs[2:], 2 * x[rows[:2]])
-    narrow = nn.Linear(D, 2, bias=False)  # a head of another width
-    element = torch.stack((torch.ones(2, D), torch.zeros(2, D)))
-    entry = PosteriorEntry(element, DiagonalAffineGroup(), Normal(0.0, 0.3), torch.Size((2, D)))
-    with pytest.raises(ValueError, match="same number of classes"):
-        memory.add_task(narrow, Posterior({"weight": entry}), x, y % 2)
+    assert torch.equal(memory.targets, y[rows[:2] + rows[:2]])
 
 
-def with_predictions(probabilities: torch.Tensor) -> MemorablePast:
-    """A memory holding the given stored predictions (inputs and labels immaterial)."""
-    n = len(probabilities)
-    return MemorablePast.from_state_dict(
-        {
-            "per_task": n,
-            "selection": "sensitivity",
-            "num_tasks": 1,
-            "inputs": torch.zeros(n, D),
-            "targets": probabilities.argmax(-1),
-            "tasks": torch.zeros(n, dtype=torch.long),
-            "probabilities": probabilities,
-            "scores": torch.ones(n),
-        }
-    )
-
-
-def test_penalty_is_the_mean_kl_from_the_stored_predictions() -> None:
-    memory = with_predictions(torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.2, 0.8]]))
-    q = torch.tensor([[0.25, 0.75], [0.9, 0.1], [0.2, 0.8]])
+def test_replay_loss_is_the_mean_cross_entropy_of_the_rows_with_their_labels() -> None:
+    x, y, _ = constructed_task()
+    memory = MemorablePast(30, selection="random")
+    memory.add_task(nn.Identity(), None, x, y, generator=torch.Generator().manual_seed(0))
+    q = torch.softmax(torch.randn(30, K, generator=torch.Generator().manual_seed(1)), dim=-1)
     logits = q.log().requires_grad_()
-    kl = [
-        0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75),
-        math.log(1 / 0.9),  # 0 · log 0 = 0
-        0.0,
-    ]
-    penalty = memory.penalty(logits)
-    assert penalty.item() == pytest.approx(sum(kl) / 3, rel=1e-6)
-    penalty.backward()  # ∂R/∂logits = (softmax(logits) − p̄)/|B|
-    assert torch.allclose(logits.grad, (q - memory.probabilities) / 3, atol=1e-7)
-    rows = torch.tensor([2, 0])
-    assert memory.penalty(q[rows].log(), rows).item() == pytest.approx(
-        (kl[2] + kl[0]) / 2, rel=1e-6
-    )
-    assert memory.penalty(memory.probabilities.clamp_min(1e-30).log()).item() == pytest.approx(
-        0.0, abs=1e-6
-    )
-    underflow = torch.tensor([[0.0, -math.inf], [-math.inf, 0.0], [0.0, -math.inf]])
-    assert math.isinf(memory.penalty(underflow).item())  # q = 0 where p > 0
-    assert memory.penalty(underflow[[0, 0]], torch.tensor([1, 1])).item() == 0.0  # p = q = (1, 0)
+    expected = -sum(math.log(q[i, memory.targets[i]]) for i in range(30)) / 30
+    loss = memory.loss(logits)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()  # ∂R/∂logits = (softmax(logits) − onehot(y))/|B|
+    onehot = nn.functional.one_hot(memory.targets, K)
+    assert torch.allclose(logits.grad, (q - onehot) / 30, atol=1e-7)
+    rows = torch.tensor([4, 0, 4])
+    picked = -sum(math.log(q[i, memory.targets[i]]) for i in (4, 0, 4)) / 3
+    assert memory.loss(q[rows].log(), rows).item() == pytest.approx(picked, rel=1e-6)
     with pytest.raises(ValueError, match="inputs\\[rows\\]"):
-        memory.penalty(logits[:2])
+        memory.loss(logits[:2])
     with pytest.raises(ValueError, match="empty"):
-        MemorablePast(3).penalty(logits)
+        MemorablePast(3).loss(logits)
 
 
 def test_state_dict_save_and_load_round_trip(tmp_path: Path) -> None:
@@ -172,13 +117,13 @@ def test_state_dict_save_and_load_round_trip(tmp_path: Path) -> None:
     memory.save(path)
     loaded = MemorablePast.load(path)
     assert (loaded.per_task, loaded.selection, loaded.num_tasks) == (4, "sensitivity", 2)
-    for name in ("inputs", "targets", "tasks", "probabilities", "scores"):
+    for name in ("inputs", "targets", "tasks", "scores"):
         assert torch.equal(getattr(loaded, name), getattr(memory, name)), name
     logits = torch.randn(8, K)
-    assert torch.equal(loaded.penalty(logits), memory.penalty(logits))
+    assert torch.equal(loaded.loss(logits), memory.loss(logits))
     again = MemorablePast(4)
     again.load_state_dict(memory.state_dict())
-    assert torch.equal(again.probabilities, memory.probabilities)
+    assert torch.equal(again.inputs, memory.inputs)
     with pytest.raises(ValueError, match="per_task=4"):
         MemorablePast(5).load_state_dict(memory.state_dict())
     with pytest.raises(ValueError, match="selection='sensitivity'"):
@@ -205,7 +150,3 @@ def test_an_optimizer_is_read_as_its_posterior() -> None:
 def test_refusals_name_the_argument(args: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MemorablePast(*args)
-    model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
-    x, y, _ = constructed_task()
-    with pytest.raises(ValueError, match="samples"):
-        MemorablePast(3).add_task(model, post, x, y, samples=0)
