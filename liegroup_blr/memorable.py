@@ -3,9 +3,9 @@ its replay in the losses of later tasks.
 
 After task :math:`t` the memory keeps :math:`m` of the task's training examples
 :math:`(x_i, y_i)`: those with the highest memory-map scores :math:`s_i`
-(:func:`liegroup_blr.sensitivity`, the estimated change of an example's prediction were it
-removed from training: the examples the posterior rests on, the "memorable past" of Pan et
-al., NeurIPS 2020), or :math:`m` drawn at random (the control). In later tasks the
+(:func:`liegroup_blr.memory.sensitivity`, the estimated change of an example's prediction
+were it removed from training: the examples the posterior rests on, the "memorable past" of
+Pan et al., NeurIPS 2020), or :math:`m` drawn at random (the control). In later tasks the
 **replay loss** is the mean negative log-likelihood of memory rows :math:`B` (all of them,
 or a minibatch),
 
@@ -35,9 +35,9 @@ from .posterior import Posterior
 __all__ = ["SELECTIONS", "MemorablePast"]
 
 SELECTIONS = ("sensitivity", "random")
-"""How :meth:`MemorablePast.add_task` chooses a task's examples: ``"sensitivity"`` (the
-highest :func:`~liegroup_blr.sensitivity` scores) or ``"random"`` (uniformly, without
-replacement: the control)."""
+"""How :meth:`~liegroup_blr.MemorablePast.add_task` chooses a task's examples:
+``"sensitivity"`` (the highest :func:`~liegroup_blr.memory.sensitivity` scores) or
+``"random"`` (uniformly, without replacement: the control)."""
 
 _FIELDS = ("inputs", "targets", "tasks", "scores")
 
@@ -68,7 +68,7 @@ class MemorablePast:
 
     Args:
         per_task: examples kept of each task (at most its training set).
-        selection: one of :data:`SELECTIONS`.
+        selection: one of :data:`~liegroup_blr.memorable.SELECTIONS`.
 
     Attributes:
         inputs: ``[M, ...]`` the kept inputs, task after task.
@@ -114,7 +114,7 @@ class MemorablePast:
     ) -> Tensor:
         """Keep ``per_task`` examples of a finished task.
 
-        ``"sensitivity"`` scores every example with :func:`~liegroup_blr.sensitivity` at its
+        ``"sensitivity"`` scores every example with :func:`~liegroup_blr.memory.sensitivity` at its
         defaults and keeps the highest, in descending order of score; ``"random"`` keeps a
         uniform draw and scores nothing (``model`` and ``posterior`` unused).
 
