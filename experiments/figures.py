@@ -406,26 +406,33 @@ def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
     return math.floor(figsize[1] * DPI), math.floor(figsize[0] * DPI)
 
 
-def average_accuracy(curves: Mapping[str, Mapping[str, np.ndarray]], path: Path) -> None:
+def average_accuracy(
+    curves: Mapping[str, Mapping[str, np.ndarray]], path: Path, title: str = ""
+) -> None:
     """Average accuracy (%) against the number of tasks learned, one colour per method.
 
     ``curves`` maps a method to arrays over tasks: ``mean`` (a line), ``low`` and ``high``
     (a band, e.g. the lowest and highest seed) and optionally ``dashed`` (a second line in
-    the same colour, e.g. the point estimate beside the model average).
+    the same colour, e.g. the point estimate beside the model average). The legend names
+    every method, the band and the dashed lines.
     """
     fig, ax = plt.subplots(figsize=CURVES_SIZE)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cmap = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
     for i, (label, c) in enumerate(curves.items()):
-        colour = colours[i % len(colours)]
+        colour = cmap(i % cmap.N)
         tasks = np.arange(1, len(c["mean"]) + 1)
         ax.plot(tasks, c["mean"], marker=".", color=colour, label=label)
         ax.fill_between(tasks, c["low"], c["high"], color=colour, alpha=0.2, lw=0)
         if "dashed" in c:
             ax.plot(tasks, c["dashed"], ls="--", lw=1, color=colour)
+    ax.fill_between([], [], color="grey", alpha=0.2, lw=0, label="band: lowest to highest seed")
+    if any("dashed" in c for c in curves.values()):
+        ax.plot([], [], ls="--", lw=1, color="grey", label="dashed: point estimate (at g)")
     ax.set(xlabel="tasks learned", ylabel="average accuracy over tasks learned (%)")
+    ax.set_title(title, fontsize="small")
     ax.set_xticks(np.arange(1, max(len(c["mean"]) for c in curves.values()) + 1))
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize="small")
+    ax.legend(loc="lower left", fontsize="x-small", ncol=1 if len(curves) <= 6 else 2)
     fig.tight_layout()
     _save(fig, path)
 

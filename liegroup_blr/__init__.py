@@ -10,6 +10,7 @@ the group's exponential map with reparameterised gradients. The optimizers are d
 
 from . import distributions, fisher, groups, mc, noise, optim
 from .mc import mc_step
+from .memorable import MemorablePast
 from .memory import MemoryMap, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
@@ -18,6 +19,7 @@ __all__ = [
     "AdditiveBLR",
     "AffineBLR",
     "LieGroupBLR",
+    "MemorablePast",
     "MemoryMap",
     "MultiplicativeBLR",
     "Posterior",
