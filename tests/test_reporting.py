@@ -280,11 +280,12 @@ def test_per_sample_noise_repeats_the_reference_draws() -> None:
     from experiments.log_g_walk import PerSampleNoise
     from liegroup_blr.distributions import Rayleigh
 
-    source, key, base = PerSampleNoise(seed=3), torch.zeros(5), Rayleigh(1.0)
+    source, key, base = PerSampleNoise(), torch.zeros(5), Rayleigh(1.0)
+    source.bind(3)
 
     def draw(train: bool) -> torch.Tensor:
         source.start_sample(train)
-        return source.sample([torch.empty(2, 5)], base, [key], 0)[0].clone()
+        return source.draw([torch.empty(2, 5)], base, [key], 0, predict=not train)[0].clone()
 
     steps = []
     for _ in range(3):

@@ -188,9 +188,9 @@ def test_step_returns_what_the_closure_returned(kind):
         return loss.item()
 
     for closure in (closure_for(opt, model), as_float):
-        value = []
+        value: list[Any] = []
 
-        def recording(closure=closure):
+        def recording(closure=closure, value=value):
             value.append(closure())
             return value[-1]
 
