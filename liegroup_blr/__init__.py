@@ -8,7 +8,19 @@ the group's exponential map with reparameterised gradients. The optimizers are d
     opt = lgb.AdditiveBLR(model.parameters(), lr=0.05, data_size=len(train_set))
 """
 
-from . import distributions, fisher, groups, mc, noise, optim
+from . import (
+    distributions,
+    fisher,
+    groups,
+    kl,
+    mc,
+    memory,
+    noise,
+    optim,
+    posterior,
+    predictive,
+    sharding,
+)
 from .mc import mc_step
 from .memory import MemoryMap, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
@@ -24,11 +36,16 @@ __all__ = [
     "distributions",
     "fisher",
     "groups",
+    "kl",
     "mc",
     "mc_step",
+    "memory",
     "memory_map",
     "noise",
     "optim",
+    "posterior",
+    "predictive",
     "sensitivity",
+    "sharding",
 ]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ picks its implementation in one dispatcher, and no module grows past a page coun
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -103,10 +104,161 @@ def test_rule_classes_do_not_branch_on_compile(module):
                 assert "compile" not in names, f"{module}: {node.name} branches on compile"
 
 
-def test_no_module_of_the_package_is_over_450_lines():
-    long = {
-        str(path.relative_to(PACKAGE)): n
-        for path in PACKAGE.rglob("*.py")
-        if (n := len(path.read_text(encoding="utf-8").splitlines())) > 450
-    }
-    assert not long
+# ---------------------------------------------------------------- the import tree
+ROOT = PACKAGE.parent
+
+
+def module_name(path: Path) -> str:
+    """``liegroup_blr.optim.base`` of ``liegroup_blr/optim/base.py`` (a package: its name)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """Every import of the file, at any depth (type-checking blocks and functions included):
+    (the module imported from, the names taken), relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.append((target, [alias.name for alias in node.names]))
+    return found
+
+
+def package_graph(root: Path, name: str) -> dict[str, set[str]]:
+    """Module → the modules of the package ``name`` it imports (a name taken from a package
+    that is one of its modules counts as that module)."""
+    files = {module_name(p): p for p in (root / name).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        edges = set()
+        for target, names in imports(path):
+            if target not in files:
+                continue
+            taken = [f"{target}.{n}" for n in names if f"{target}.{n}" in files]
+            edges.update(taken or [target])
+        graph[module] = edges - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle_and_no_more():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_imports_form_a_tree():
+    """No circle among the package's modules, counting every import: type-checking blocks and
+    imports inside functions included (the optimizers and the posterior, the noise and the
+    sharding helpers, once were one circle of 14 files)."""
+    assert circles(package_graph(ROOT, "liegroup_blr")) == []
+
+
+def test_nothing_below_the_optimizers_imports_them():
+    graph = package_graph(ROOT, "liegroup_blr")
+    below = ["distributions", "sharding", "groups", "noise", "posterior", "posterior_io", "kl"]
+    for name in below:
+        module = f"liegroup_blr.{name}"
+        reached, todo = set(), [module]
+        while todo:
+            for w in graph[todo.pop()] - reached:
+                reached.add(w)
+                todo.append(w)
+        assert not any(m.startswith("liegroup_blr.optim") for m in reached), name
+
+
+def public(module: str, name: str) -> bool:
+    """Whether ``module.name`` is public: ``name`` in the module's ``__all__`` (a module: in its
+    package's), and the module itself public all the way up."""
+    if name.startswith("_"):
+        return False
+    obj = importlib.import_module(module)
+    listed = name in getattr(obj, "__all__", ())
+    parent, _, last = module.rpartition(".")
+    return listed and (not parent or public(parent, last))
+
+
+def test_drivers_and_benchmarks_import_only_public_names():
+    """experiments/ uses the library through its public ``__all__``s only."""
+    private = []
+    for path in (ROOT / "experiments").rglob("*.py"):
+        for target, names in imports(path):
+            if target == "liegroup_blr" or target.startswith("liegroup_blr."):
+                for name in names or [target.rpartition(".")[2]]:
+                    owner = target if names else target.rpartition(".")[0]
+                    if owner and not public(owner, name):
+                        private.append(f"{path.relative_to(ROOT)}: {owner}.{name}")
+    assert not private
+
+
+def test_no_private_name_is_imported_across_packages():
+    """Inside the library a module takes underscore names only from its own package."""
+    crossing = []
+    for path in PACKAGE.rglob("*.py"):
+        own = (
+            module_name(path).rpartition(".")[0]
+            if path.name != "__init__.py"
+            else module_name(path)
+        )
+        for target, names in imports(path):
+            if (
+                target.startswith("liegroup_blr")
+                and target.rpartition(".")[0] != own
+                and target != own
+            ):
+                crossing += [f"{path.name}: {target}.{n}" for n in names if n.startswith("_")]
+    assert not crossing
+
+
+def test_what_the_parameters_hold_is_never_compared_as_a_string():
+    """``between_steps`` picks a holding once, at construction; nothing compares it after."""
+    compared = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                names = {
+                    n.attr if isinstance(n, ast.Attribute) else n.id
+                    for n in ast.walk(node)
+                    if isinstance(n, (ast.Attribute, ast.Name))
+                }
+                if "between_steps" in names:
+                    compared.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not compared

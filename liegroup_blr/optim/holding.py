@@ -230,6 +230,7 @@ HOLDINGS: dict[str, type[PointHolding] | type[SampleHolding]] = {
 
 def holding(between_steps: str) -> PointHolding | SampleHolding:
     """The holding ``between_steps`` names."""
-    if between_steps not in HOLDINGS:
+    kind = HOLDINGS.get(between_steps)
+    if kind is None:
         raise ValueError(f"between_steps: must be one of {tuple(HOLDINGS)}, got {between_steps!r}")
-    return HOLDINGS[between_steps]()
+    return kind()
