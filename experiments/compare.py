@@ -125,7 +125,8 @@ def summarise(values: Sequence[Any]) -> Any:
     return first
 
 
-def _cell(leaf: dict[str, Any], factor: float, decimals: int) -> str:
+def cell(leaf: dict[str, Any], factor: float, decimals: int) -> str:
+    """A summarised number as ``mean ± sd`` (the mean alone for one seed)."""
     mean = f"{factor * leaf['mean']:.{decimals}f}"
     return mean if leaf["sd"] is None else f"{mean} ± {factor * leaf['sd']:.{decimals}f}"
 
@@ -170,7 +171,7 @@ def _table(
                 continue
             name = _estimate_label(est, res["summary"], samples[label])
             if not per_seed:
-                cells = [_cell(get(res["summary"], est), f, d) for _, get, f, d in columns]
+                cells = [cell(get(res["summary"], est), f, d) for _, get, f, d in columns]
                 lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
                 continue
             for seed, run in res["per_seed"].items():
@@ -244,8 +245,8 @@ def report(
         s = res["summary"]
         lines.append(
             f"| {label} | {opt['name']} | {hyper} | {s['epochs']['mean']:g} | "
-            f"{opt.get('mc_samples', 1)} | {_cell(s['train_seconds'], 1.0, 1)} | "
-            f"{_cell(step_ms(res), 1.0, 1)} | {_cell(s['eval_seconds'], 1.0, 1)} |"
+            f"{opt.get('mc_samples', 1)} | {cell(s['train_seconds'], 1.0, 1)} | "
+            f"{cell(step_ms(res), 1.0, 1)} | {cell(s['eval_seconds'], 1.0, 1)} |"
         )
     lines += ["", "## Per-seed values", ""]
     for title, columns in TABLES.items():

@@ -76,6 +76,14 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
         "hess_approx": "price",
         "clip_radius": Unset(float),
     },
+    # mean-field VI from posteriors (experiments/meanfield.py): torchopt's Adam on (μ, log σ)
+    "vi": {
+        "lr": NUMBER,
+        "betas": [0.9, 0.999],
+        "prior_precision": 0.0,
+        "init_log_sd": -3.0,
+        "mc_samples": 1,
+    },
     "additive": {**_BLR, "base": "gaussian", "base_scale": 1e-3},
     "multiplicative": {
         **_BLR,
@@ -248,6 +256,7 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"[data].da_factor must be > 0, got {cfg['data']['da_factor']}")
     check_base(cfg["optimizer"])
     _check_ivon(cfg["optimizer"])
+    _check_vi(cfg["optimizer"])
     group = cfg["optimizer"].get("group")
     if group is not None and group not in GROUPS and ":" not in group:
         raise ConfigError(
@@ -272,6 +281,22 @@ def _check_ivon(opt: dict[str, Any]) -> None:
     if opt["mc_samples"] < 1:
         raise ConfigError(f"[optimizer].mc_samples must be >= 1, got {opt['mc_samples']}")
     _choice("[optimizer].hess_approx of ivon", opt["hess_approx"], ("price", "gradsq"))
+
+
+def _check_vi(opt: dict[str, Any]) -> None:
+    """Mean-field VI's hyperparameters (posteriors checks none of them)."""
+    if opt["name"] != "vi":
+        return
+    if not opt["lr"] > 0:
+        raise ConfigError(f"[optimizer].lr of vi must be > 0, got {opt['lr']}")
+    if opt["prior_precision"] < 0:
+        raise ConfigError(f"[optimizer].prior_precision must be >= 0, got {opt['prior_precision']}")
+    if opt["mc_samples"] < 1:
+        raise ConfigError(f"[optimizer].mc_samples must be >= 1, got {opt['mc_samples']}")
+    if len(opt["betas"]) != 2 or not all(0 <= b < 1 for b in opt["betas"]):
+        raise ConfigError(
+            f"[optimizer].betas of vi must be two numbers in [0, 1), got {opt['betas']}"
+        )
 
 
 def check_base(opt: dict[str, Any]) -> None:

@@ -15,14 +15,25 @@ per method, with its ``strategy`` and an ``[methods.LABEL.optimizer]`` table
   every task's data);
 - ``posterior``: a Lie-group rule; the first task with its δ-prior, then at every task
   boundary ``optimizer.next_task(data_size=N_t)``, which makes the posterior learned so far
-  the prior of the next task.
+  the prior of the next task. ``prior = "initial"`` is its ablation: the same boundary, but
+  every task keeps the first task's N(0, 1/δ) prior and entropy term (the rule fine-tunes).
+  ``memory = m`` > 0 keeps m examples of every finished task in a
+  :class:`liegroup_blr.MemorablePast` (``memory_selection``: ``"sensitivity"``, the highest
+  memory-map scores, or ``"random"``) and adds ``memory_strength`` λ times its replay loss
+  (the cross-entropy of a minibatch of the memory as large as the data's, each example on its
+  task's head) to every later step's loss.
+
+``[stream] validation = V`` > 0 holds out V examples of the dataset's training set (drawn
+with ``validation_seed``, :func:`experiments.data.validation_split`): the tasks are built from
+the rest and evaluated on the held-out ones, and the test set is never loaded
+(:mod:`experiments.continual_tune` tunes on it).
 
 Every method and seed trains into ``DIR/LABEL/seedS`` (``config.json``, ``tasks.jsonl`` with
 one row per finished task, ``checkpoint.pt`` after every epoch, ``results.json``, and the
-final ``posterior.pt`` of a rule); ``DIR`` receives ``config.json``, ``results.json``,
-``report.md`` and ``average_accuracy.png``. ``--resume`` continues every run from its last
-checkpoint and ends as an uninterrupted run would (docs/runs.md; docs/lifelong.md has the
-method and the results).
+final ``posterior.pt`` of a rule and ``memory.pt`` of its memory); ``DIR`` receives
+``config.json``, ``results.json``, ``report.md`` and ``average_accuracy.png``. ``--resume``
+continues every run from its last checkpoint and ends as an uninterrupted run would
+(docs/runs.md; docs/lifelong.md has the method and the results).
 """
 
 from __future__ import annotations
@@ -49,11 +60,11 @@ import liegroup_blr as lgb
 from experiments import cli, compare, continual_report, runfiles
 from experiments import config as config_module
 from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
-from experiments.data import DATASETS, Dataset, load_dataset
+from experiments.data import DATASETS, Dataset, load_dataset, validation_split
 from experiments.ewc import OnlineEWC, diagonal_fisher
 from experiments.models import ACTIVATIONS, MLP
 from experiments.optimizers import build_optimizer, lr_factor
-from experiments.streams import HEADS, STREAMS, Task, build_stream, column_mask
+from experiments.streams import HEADS, STREAMS, Head, Task, build_stream, column_mask
 from experiments.train import (
     CHECKPOINT,
     CONFIG,
@@ -65,9 +76,12 @@ from experiments.train import (
     set_rng_state,
 )
 from liegroup_blr import predictive
+from liegroup_blr.memorable import SELECTIONS
 
 TASKS = "tasks.jsonl"
 POSTERIOR = "posterior.pt"
+MEMORY = "memory.pt"
+PRIORS = ("posterior", "initial")
 
 SECTIONS: dict[str, dict[str, Any]] = {
     "stream": {
@@ -76,6 +90,8 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "heads": "single",
         "dataset": "mnist5k",
         "root": "data",
+        "validation": 0,  # > 0: hold out that many training examples, evaluate on them
+        "validation_seed": 0,
     },
     "model": {"widths": [100, 100], "activation": "relu"},
     "train": {"epochs": COUNT, "batch_size": 64, "warmup": 0, "test_batch_size": 1000},
@@ -87,7 +103,12 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "finetune": {},
     "ewc": {"ewc_lambda": NUMBER, "ewc_gamma": 1.0},
     "joint": {},
-    "posterior": {},
+    "posterior": {
+        "prior": "posterior",
+        "memory": 0,
+        "memory_selection": "sensitivity",
+        "memory_strength": 1.0,
+    },
 }
 BASELINE_OPTIMIZERS = ("sgd", "adam")  # finetune, ewc, joint
 BLR_OPTIMIZERS = ("additive", "multiplicative", "affine", "lie")  # posterior
@@ -124,15 +145,40 @@ def _method(label: str, given: Any) -> dict[str, Any]:
     schema = {"name": NAME, **config_module.OPTIMIZERS[opt["name"]]}
     method["optimizer"] = fill(f"{where}.optimizer", opt, schema)
     config_module.check_base(method["optimizer"])
+    if strategy == "posterior":
+        _check_posterior(where, method)
     return method
+
+
+def _check_posterior(where: str, method: dict[str, Any]) -> None:
+    """The prior and memory keys of a ``posterior`` method."""
+    if method["prior"] not in PRIORS:
+        raise ConfigError(f"{where}.prior: unknown {method['prior']!r}; valid: {list(PRIORS)}")
+    if method["memory"] < 0:
+        raise ConfigError(f"{where}.memory must be >= 0 examples per task, got {method['memory']}")
+    if method["memory_selection"] not in SELECTIONS:
+        raise ConfigError(
+            f"{where}.memory_selection: unknown {method['memory_selection']!r}; valid: "
+            f"{list(SELECTIONS)}"
+        )
+    if not method["memory_strength"] > 0:
+        raise ConfigError(f"{where}.memory_strength must be > 0, got {method['memory_strength']}")
 
 
 def resolve(raw: dict[str, Any], label: str, seed: int) -> dict[str, Any]:
     """The resolved config of one method and seed: every default filled in, every range
     checked."""
-    cfg: dict[str, Any] = {"seed": seed, "device": raw.get("device", "auto")}
+    cfg: dict[str, Any] = {
+        "seed": seed,
+        "device": raw.get("device", "auto"),
+        "threads": raw.get("threads", 0),
+    }
     if not (isinstance(seed, int) and 0 <= seed < 2**32):
         raise ConfigError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
+    if isinstance(cfg["threads"], bool) or not isinstance(cfg["threads"], int):
+        raise ConfigError(f"threads must be an integer >= 0, got {cfg['threads']!r}")
+    if cfg["threads"] < 0:
+        raise ConfigError(f"threads must be >= 0 (0: torch's default), got {cfg['threads']}")
     if cfg["device"] not in config_module.DEVICES:
         raise ConfigError(f"unknown device {cfg['device']!r}; valid: {config_module.DEVICES}")
     for section, schema in SECTIONS.items():
@@ -168,13 +214,15 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         )
     if not 0 <= cfg["train"]["warmup"] < cfg["train"]["epochs"]:
         raise ConfigError("[train].warmup must satisfy 0 <= warmup < epochs")
+    if stream["validation"] < 0:
+        raise ConfigError(f"[stream].validation must be >= 0, got {stream['validation']}")
 
 
 def run_configs(
     raw: dict[str, Any], seeds: Sequence[int] | None = None
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """label → seed → resolved run config, for every ``[methods.LABEL]`` and seed."""
-    keys = {"seed", "seeds", "device", "methods", *SECTIONS}
+    keys = {"seed", "seeds", "device", "threads", "methods", *SECTIONS}
     unknown = sorted(set(raw) - keys)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
@@ -194,17 +242,22 @@ def run_configs(
 # ----------------------------------------------------------------------------- the learner
 @dataclass
 class Learner:
-    """A run: its config, tasks (on the device), the logit masks of their heads, the model,
-    optimizer, schedule, data order and, for EWC, the penalty."""
+    """A run: its config, tasks (on the device), the logit masks of their heads and their
+    columns, the model, optimizer, schedule, data order, for EWC the penalty, for a rule with
+    a memory the memory, and what the tasks are evaluated on (``"test"`` or
+    ``"validation"``)."""
 
     cfg: dict[str, Any]
     tasks: list[Task]
     masks: Tensor
+    columns: Tensor
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     data_rng: torch.Generator
     ewc: OnlineEWC | None
+    memory: lgb.MemorablePast | None
+    eval_set: str
 
     @property
     def strategy(self) -> str:
@@ -217,6 +270,15 @@ def _dataset(name: str, root: str) -> Dataset:
     return load_dataset(name, root)
 
 
+def _stream_data(stream: dict[str, Any]) -> Dataset:
+    """The dataset of ``[stream]``; with ``validation`` > 0 its validation split (the test
+    set left out)."""
+    data = _dataset(stream["dataset"], stream["root"])
+    if stream["validation"]:
+        data = validation_split(data, stream["validation"], stream["validation_seed"])
+    return data
+
+
 def _task_lr(epoch: int, epochs: int, warmup: int) -> float:
     """The learning-rate factor of global epoch ``epoch``: every task restarts the schedule
     (warm-up, then a cosine over its ``epochs``)."""
@@ -224,14 +286,18 @@ def _task_lr(epoch: int, epochs: int, warmup: int) -> float:
 
 
 def build(cfg: dict[str, Any]) -> Learner:
-    """Seed every RNG with the run's seed, then build the stream, model and optimizer."""
+    """Seed every RNG with the run's seed, then build the stream, model and optimizer.
+    ``threads`` > 0 sets torch's intra-op threads (one fixed count: the same numbers on every
+    machine with the same torch build)."""
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
     seed = cfg["seed"]
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
     torch.manual_seed(seed)
     device = resolve_device(cfg["device"])
     s, m, t = cfg["stream"], cfg["model"], cfg["train"]
-    data = _dataset(s["dataset"], s["root"])
+    data = _stream_data(s)
     tasks = [
         task.to(device) for task in build_stream(s["name"], data, s["tasks"], s["heads"], seed)
     ]
@@ -242,6 +308,7 @@ def build(cfg: dict[str, Any]) -> Learner:
                 f"examples of task {task.name!r}: no step would run"
             )
     masks = torch.stack([column_mask(task.classes, data.num_classes) for task in tasks])
+    columns = torch.tensor([task.classes for task in tasks], device=device)
     model = MLP(data.input_shape, data.num_classes, m["widths"], m["activation"]).to(device)
     method = cfg["method"]
     optimizer = build_optimizer(method["optimizer"], model.parameters(), len(tasks[0].train_y))
@@ -249,8 +316,13 @@ def build(cfg: dict[str, Any]) -> Learner:
     ewc = None
     if method["strategy"] == "ewc":
         ewc = OnlineEWC(method["ewc_lambda"], method["ewc_gamma"])
+    memory = None
+    if method["strategy"] == "posterior" and method["memory"]:
+        memory = lgb.MemorablePast(method["memory"], method["memory_selection"])
     generator = torch.Generator().manual_seed(seed)
-    return Learner(cfg, tasks, masks.to(device), model, optimizer, scheduler, generator, ewc)
+    masks = masks.to(device)
+    parts = (model, optimizer, scheduler, generator, ewc, memory, data.eval_set)
+    return Learner(cfg, tasks, masks, columns, *parts)
 
 
 def _posterior(optimizer: torch.optim.Optimizer, model: nn.Module) -> lgb.Posterior:
@@ -269,18 +341,29 @@ def _training_set(learner: Learner, t: int) -> tuple[Tensor, Tensor, Tensor]:
     return x, y, ids
 
 
-def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor) -> Any:
-    """Mean cross-entropy over each example's head (+ the EWC penalty), backward."""
+def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor | None) -> Any:
+    """Mean cross-entropy over each example's head (+ the EWC penalty, + λ times the replay
+    loss of the memory's ``rows``), backward."""
 
     def closure() -> Tensor:
         learner.optimizer.zero_grad()
         loss = cross_entropy(learner.model(x) + mask, y)
         if learner.ewc is not None:
             loss = loss + learner.ewc.penalty(learner.model)
+        if rows is not None:
+            loss = loss + learner.cfg["method"]["memory_strength"] * _replay_loss(learner, rows)
         loss.backward()
         return loss.detach()
 
     return closure
+
+
+def _replay_loss(learner: Learner, rows: Tensor) -> Tensor:
+    """The memory's replay loss on its ``rows``, each on its task's head."""
+    memory = learner.memory
+    assert memory is not None
+    logits = learner.model(memory.inputs[rows])
+    return memory.loss(logits.gather(1, learner.columns[memory.tasks[rows]]), rows)
 
 
 def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, epoch: int) -> float:
@@ -301,9 +384,14 @@ def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, e
     )
     losses = []
     learner.model.train()
+    memory = learner.memory
     for step in bar:
         idx = order[step * batch : (step + 1) * batch]
-        closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]])
+        rows = None
+        if memory is not None and len(memory):  # a minibatch of the memory, as large
+            rows = torch.randperm(len(memory), generator=learner.data_rng)[:batch]
+            rows = rows.to(y.device)
+        closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]], rows)
         loss = float(learner.optimizer.step(closure))
         if not math.isfinite(loss) or not runfiles.all_finite(list(learner.model.parameters())):
             raise DivergedError(
@@ -317,15 +405,40 @@ def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, e
 
 
 def _next_task(learner: Learner, t: int) -> None:
-    """The task boundary after task t: EWC consolidates, a rule makes its posterior the prior
-    of task t + 1 (``next_task`` with its data size)."""
+    """The task boundary after task t: EWC consolidates; a rule keeps task t's examples in
+    its memory and makes its posterior the prior of task t + 1 (``next_task`` with its data
+    size), or, with ``prior = "initial"``, restarts the momenta and keeps its first prior."""
     if learner.ewc is not None:
         task = learner.tasks[t]
         fisher = diagonal_fisher(learner.model, task.train_x, learner.masks[t])
         learner.ewc.consolidate(learner.model, fisher)
+    if learner.memory is not None:
+        _remember(learner, t)
     if learner.strategy == "posterior":
-        size = len(learner.tasks[t + 1].train_y)
-        learner.optimizer.next_task(data_size=size)  # type: ignore[attr-defined]
+        method, optimizer = learner.cfg["method"], learner.optimizer
+        optimizer.next_task(data_size=len(learner.tasks[t + 1].train_y))  # type: ignore[attr-defined]
+        if method["prior"] == "initial":
+            optimizer.set_prior(None)  # type: ignore[attr-defined]
+            for group in optimizer.param_groups:
+                group["prior_precision"] = method["optimizer"]["prior_precision"]
+
+
+def _remember(learner: Learner, t: int) -> None:
+    """Add task t's training examples to the memory, scored on its head by the posterior,
+    with a generator seeded by the run's seed and t."""
+    assert learner.memory is not None
+    task, columns = learner.tasks[t], learner.columns[t]
+    labels = (task.train_y[:, None] == columns).int().argmax(1)  # the label's column in its head
+    seed = int(np.random.SeedSequence([learner.cfg["seed"], t]).generate_state(1)[0])
+    generator = torch.Generator(device=columns.device).manual_seed(seed)
+    head = Head(learner.model, columns)
+    learner.memory.add_task(
+        head,
+        learner.optimizer,
+        task.train_x,
+        labels,
+        generator=generator,
+    )
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -405,6 +518,7 @@ def _save(learner: Learner, path: Path, at: Position) -> None:
         "scheduler": learner.scheduler.state_dict(),
         "rng": rng_state(learner.data_rng),
         "ewc": None if learner.ewc is None else learner.ewc.state_dict(),
+        "memory": None if learner.memory is None else learner.memory.state_dict(),
     }
     runfiles.save_torch(path, state)
 
@@ -418,6 +532,8 @@ def _restore(learner: Learner, path: Path) -> Position:
         set_rng_state(learner.data_rng, state["rng"])
         if learner.ewc is not None:
             learner.ewc.load_state_dict(state["ewc"])
+        if learner.memory is not None:
+            learner.memory.load_state_dict(state["memory"])
         return Position(
             int(state["task"]), int(state["epoch"]), float(state["seconds"]), list(state["rows"])
         )
@@ -473,6 +589,11 @@ def _learn(learner: Learner, out: Path, at: Position) -> dict[str, Any]:
         row = evaluate(learner, at.task)
         row["train_seconds"], row["eval_seconds"] = at.seconds, time.perf_counter() - tic
         _report_task(row)
+        if runfiles.nonfinite(row):
+            raise DivergedError(
+                f"non-finite metrics {runfiles.nonfinite(row)} after task {at.task + 1} in "
+                f"{out}; lower the method's lr and train into a new folder"
+            )
         if at.task + 1 < count:
             _next_task(learner, at.task)
         at = Position(at.task + 1, 0, 0.0, [*at.rows, row])
@@ -480,7 +601,10 @@ def _learn(learner: Learner, out: Path, at: Position) -> dict[str, Any]:
         runfiles.write_jsonl(out / TASKS, at.rows)
     if learner.strategy == "posterior":
         _posterior(learner.optimizer, learner.model).save(out / POSTERIOR)
+    if learner.memory is not None:
+        learner.memory.save(out / MEMORY)
     results = continual_report.run_summary(at.rows)
+    results["eval_set"] = learner.eval_set
     results["train_sizes"] = [len(task.train_y) for task in learner.tasks]
     results["test_sizes"] = [len(task.test_y) for task in learner.tasks]
     if runfiles.nonfinite(results):
@@ -535,9 +659,10 @@ def continual(
             }
             for label in configs
         }
-        first = next(iter(configs.values()))
-        samples = next(iter(first.values()))["eval"]["samples"]
-        continual_report.average_accuracy_figure(summary, samples, out / "average_accuracy.png")
+        first = next(iter(next(iter(configs.values())).values()))
+        figure = out / "average_accuracy.png"
+        title = continual_report.figure_title(first, list(next(iter(configs.values()))))
+        continual_report.average_accuracy_figure(summary, first["eval"]["samples"], figure, title)
         runfiles.write_json(out / RESULTS, results)
         runfiles.write_text(out / "report.md", continual_report.report(configs, results) + "\n")
     return results

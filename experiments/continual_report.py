@@ -5,6 +5,8 @@ The accuracy matrix :math:`R` of a run has :math:`R_{ij}` = test accuracy on tas
 learning task j (tasks 0 … T − 1). From it:
 
 - average accuracy after task j, :math:`A_j = \frac1{j+1}\sum_{i\le j} R_{ij}`;
+- the first task's accuracy just after learning it, :math:`R_{00}` (is a task learned at
+  all in the passes given?);
 - backward transfer (Lopez-Paz & Ranzato, 2017),
   :math:`\mathrm{BWT} = \frac1{T-1}\sum_{i<T-1} (R_{i,T-1} - R_{ii})` (negative: forgetting);
 - forgetting (Chaudhry et al., 2018), the mean over the tasks before the last of the
@@ -25,6 +27,7 @@ from numpy.typing import ArrayLike
 from experiments import figures
 
 ESTIMATES = {"point": "at g", "average": "model average"}
+SUMMARY_KEYS = ("final_accuracy", "first_task", "bwt", "forgetting", "nll", "ece")
 
 
 def _square(matrix: ArrayLike) -> np.ndarray:
@@ -68,8 +71,8 @@ def matrix(rows: Sequence[Mapping[str, Any]], estimate: str, key: str = "accurac
 
 def run_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per estimate: the accuracy matrix, average accuracy after each task, final average
-    accuracy, BWT, forgetting, and the NLL and ECE over the test sets of every task after
-    the last one (pooled)."""
+    accuracy, the first task's accuracy after it, BWT, forgetting, and the NLL and ECE over
+    the evaluation sets of every task after the last one (pooled)."""
     out: dict[str, Any] = {}
     for estimate in ESTIMATES:
         if estimate not in rows[0]:
@@ -81,6 +84,7 @@ def run_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "matrix": r.tolist(),
             "average_accuracy": curve,
             "final_accuracy": curve[-1],
+            "first_task": float(r[0, 0]),
             "bwt": backward_transfer(r),
             "forgetting": forgetting(r),
             "nll": final["nll"],
@@ -105,10 +109,7 @@ def over_seeds(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
     for estimate in (e for e in ESTIMATES if e in summaries[0]):
         parts = [s[estimate] for s in summaries]
-        out[estimate] = {
-            key: _mean_sd([p[key] for p in parts])
-            for key in ("final_accuracy", "bwt", "forgetting", "nll", "ece")
-        }
+        out[estimate] = {key: _mean_sd([p[key] for p in parts]) for key in SUMMARY_KEYS}
         curves = np.asarray([p["average_accuracy"] for p in parts])
         out[estimate]["average_accuracy"] = [_mean_sd(c) for c in curves.T]
         mats = np.asarray([p["matrix"] for p in parts])
@@ -129,14 +130,16 @@ def _estimates(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
 def tables(summary: Mapping[str, Mapping[str, Any]], samples: int) -> list[str]:
     """Markdown: the final metrics, then average accuracy after each task."""
     lines = [
-        "| method | estimate | final avg. accuracy (%) | BWT (%) | forgetting (%) | NLL | ECE |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| method | estimate | final avg. accuracy (%) | task 1 after task 1 (%) | BWT (%) | "
+        "forgetting (%) | NLL | ECE |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for method, by_estimate in _estimates(summary).items():
         for estimate, s in by_estimate.items():
             name = ESTIMATES[estimate] + (f" of {samples}" if estimate == "average" else "")
             lines.append(
-                f"| {method} | {name} | {_cell(s['final_accuracy'])} | {_cell(s['bwt'])} | "
+                f"| {method} | {name} | {_cell(s['final_accuracy'])} | "
+                f"{_cell(s['first_task'])} | {_cell(s['bwt'])} | "
                 f"{_cell(s['forgetting'])} | {_cell(s['nll'], 1.0, 3)} | "
                 f"{_cell(s['ece'], 1.0, 3)} |"
             )
@@ -170,7 +173,7 @@ def matrix_table(mean_matrix: Sequence[Sequence[float]]) -> list[str]:
 
 
 def average_accuracy_figure(
-    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path
+    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path, title: str = ""
 ) -> None:
     """Average accuracy against tasks learned: per method (one colour) the mean over seeds
     as a line and the band between the lowest and the highest seed; a rule with a
@@ -184,13 +187,29 @@ def average_accuracy_figure(
         if estimate == "average":
             point = np.asarray([c["values"] for c in by_estimate["point"]["average_accuracy"]])
             curves[label]["dashed"] = 100 * point.mean(1)
-    figures.average_accuracy(curves, path)
+    figures.average_accuracy(curves, path, title)
+
+
+def stream_name(stream: Mapping[str, Any]) -> str:
+    """E.g. ``split mnist5k, multi-head``."""
+    heads = f", {stream['heads']}-head" if stream["name"] == "split" else ""
+    return f"{stream['name']} {stream['dataset']}{heads}"
+
+
+def figure_title(cfg: Mapping[str, Any], seeds: Sequence[int]) -> str:
+    """The figure's title: the stream, its passes, the network and the seeds."""
+    return (
+        f"{stream_name(cfg['stream'])}, {cfg['stream']['tasks']} tasks: "
+        f"{cfg['train']['epochs']} passes per task, MLP {cfg['model']['widths']}, seeds "
+        f"{list(seeds)}"
+    )
 
 
 def _hyperparameters(method: Mapping[str, Any]) -> str:
     opt = method["optimizer"]
     keys = [f"{k}={v}" for k, v in opt.items() if k != "name" and v != {}]
-    keys += [f"{k}={v}" for k, v in method.items() if k not in ("strategy", "optimizer")]
+    unused = ("memory_selection", "memory_strength") if not method.get("memory") else ()
+    keys += [f"{k}={v}" for k, v in method.items() if k not in ("strategy", "optimizer", *unused)]
     return ", ".join(keys)
 
 
@@ -206,16 +225,16 @@ def report(
     sizes = next(iter(some.values()))
     seeds = next(iter(results.values()))["seeds"]
     summary = {label: r["summary"] for label, r in results.items()}
-    heads = f", {stream['heads']}-head" if stream["name"] == "split" else ""
     lines = [
-        f"# Continual learning: {stream['name']} {stream['dataset']}{heads}",
+        f"# Continual learning: {stream_name(stream)}",
         "",
         f"{stream['tasks']} tasks of {_sizes(sizes['train_sizes'])} training and "
-        f"{_sizes(sizes['test_sizes'])} test images; MLP {model['widths']} "
+        f"{_sizes(sizes['test_sizes'])} {sizes['eval_set']} images; MLP {model['widths']} "
         f"({model['activation']}), {train['epochs']} epochs per task (joint training: "
         f"{train['epochs']} epochs over the union of the tasks learned), batch "
         f"{train['batch_size']}; {len(seeds)} seed(s) {seeds}. Cells are mean ± sample "
-        "standard deviation over the seeds. Accuracies on each task's test images; NLL and "
+        f"standard deviation over the seeds. Accuracies on each task's {sizes['eval_set']} "
+        "images; NLL and "
         f"ECE ({ev['bins']} bins) pooled over the test images of every task after the last. "
         f"A rule's model average uses {ev['samples']} posterior samples.",
         "",

@@ -18,6 +18,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from torch import Tensor
 
+from liegroup_blr.memory import REGIONS
+
 DPI = 100
 RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
 FILTERS_SIZE = (8.0, 4.5)  # 800 × 450 pixels
@@ -25,6 +27,7 @@ CURVES_SIZE = (10.0, 4.0)  # 1000 × 400 pixels
 HISTOGRAM_WIDTH, HISTOGRAM_PANEL = 8.0, 1.5  # inches: 800 pixels wide, 150 high per panel
 MEMORY_MAP_SIZE = (13.0, 7.0)  # 1300 × 700 pixels
 SCATTER_SIZE = (10.0, 4.5)  # 1000 × 450 pixels
+ERROR_VARIANCE_SIZE = (8.0, 7.0)  # 800 × 700 pixels
 MEMORY_ROWS, MEMORY_COLS = 2, 8  # digits shown per block (most and least sensitive)
 FILTER_ROWS, FILTER_COLS = 4, 8
 ROBUST_QUANTILE = 0.99
@@ -305,12 +308,13 @@ def memory_map(
     _save(fig, path)
 
 
-def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Path) -> None:
-    """Estimated against true deviation, log-log, one panel per entry of ``panels``: title →
-    arrays ``truth``, ``estimate``, ``floor`` (the noise of retraining, drawn at the same
-    estimates) and the boolean ``top`` (highest-scored examples; the others are random)."""
+def sensitivity_scatter(panels: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> None:
+    """Estimated against true change, log-log, one panel per entry of ``panels``: title →
+    arrays ``truth``, ``estimate``, ``floor`` (the change retraining alone makes, drawn at
+    the same estimates), the boolean ``top`` (highest-scored examples; the others are
+    random), and ``xlabel``, the true change's name."""
     fig, axes = plt.subplots(1, len(panels), figsize=SCATTER_SIZE, squeeze=False)
-    for ax, (title, p) in zip(axes[0], panels.items(), strict=True):
+    for ax, (name, p) in zip(axes[0], panels.items(), strict=True):
         top = p["top"]
         ax.scatter(
             p["floor"],
@@ -318,7 +322,7 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Pa
             s=12,
             marker="x",
             color="0.6",
-            label="nothing removed, other permutations",
+            label="retraining alone (nothing removed)",
         )
         ax.scatter(p["truth"][~top], p["estimate"][~top], s=18, label="random examples")
         ax.scatter(p["truth"][top], p["estimate"][top], s=18, label="highest-scored")
@@ -326,15 +330,75 @@ def sensitivity_scatter(panels: Mapping[str, Mapping[str, np.ndarray]], path: Pa
         values = values[values > 0]
         low, high = values.min() / 2, values.max() * 2
         ax.plot([low, high], [low, high], "k--", lw=1, label="estimate = truth")
-        if high > 2:
-            ax.axhline(2.0, color="tab:red", lw=1, ls=":", label="largest possible change (2)")
-        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), title=title)
-        ax.set(
-            xlabel="true change ‖p(without i) − p‖₁ (retraining)", ylabel="estimated change (score)"
-        )
+        ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), title=name)
+        ax.set(xlabel=p["xlabel"], ylabel="estimated change (score)")
         ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(title)
     fig.tight_layout()
     _save(fig, path)
+
+
+def error_variance_map(
+    error: np.ndarray,
+    variance: np.ndarray,
+    scores: np.ndarray,
+    regions: np.ndarray,
+    bounds: tuple[float, float],
+    path: Path,
+    title: str,
+    marked: Sequence[int] = (),
+) -> None:
+    """The two-axis memory map: every example at its prediction ``error`` (‖eᵢ‖₁) and total
+    prediction ``variance``, log-log, coloured by its log₁₀ score (colour bar). The region
+    boundaries ``bounds`` (error, variance) are drawn and each region named with its count
+    (``regions``: indices into :data:`liegroup_blr.memory.REGIONS`); ``marked`` examples are
+    ringed in red."""
+    error = np.maximum(error, error[error > 0].min() if (error > 0).any() else 1e-12)
+    fig, ax = plt.subplots(figsize=ERROR_VARIANCE_SIZE)
+    logs = np.log10(np.maximum(scores, 1e-30))
+    points = ax.scatter(error, variance, c=logs, s=6, cmap="viridis", label="training examples")
+    fig.colorbar(points, ax=ax, label="log₁₀ score")
+    if len(marked):
+        at = np.asarray(marked)
+        ax.scatter(
+            error[at],
+            variance[at],
+            s=60,
+            facecolors="none",
+            edgecolors="tab:red",
+            label=f"flipped labels ({len(at)})",
+        )
+    e_bound, v_bound = bounds
+    ax.axvline(e_bound, color="k", ls="--", lw=1, label=f"error boundary ({e_bound:g})")
+    ax.axhline(v_bound, color="k", ls=":", lw=1, label=f"variance boundary ({v_bound:.3g})")
+    ax.set(xscale="log", yscale="log", title=title)
+    ax.set(xlabel="prediction error ‖eᵢ‖₁", ylabel="prediction variance tr Vᵢ (untempered)")
+    x0, x1 = ax.get_xlim()
+    ax.set_xlim(min(x0, e_bound / 1.5), max(x1, e_bound * 1.5))  # both sides of the boundary
+    counts = np.bincount(regions, minlength=len(REGIONS))
+    for name, count in zip(REGIONS, counts, strict=True):
+        x, y, ha, va = REGION_PLACES[name]
+        ax.text(
+            x,
+            y,
+            f"{name} ({count})",
+            transform=ax.transAxes,
+            ha=ha,
+            va=va,
+            weight="bold",
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"},
+        )
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+REGION_PLACES = {
+    "regular": (0.02, 0.02, "left", "bottom"),
+    "unpredictable": (0.98, 0.02, "right", "bottom"),
+    "uncertain": (0.5, 0.98, "center", "top"),
+}
+"""Where each region's name goes, in axes coordinates: the corner of the map it holds."""
 
 
 def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
@@ -342,26 +406,33 @@ def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
     return math.floor(figsize[1] * DPI), math.floor(figsize[0] * DPI)
 
 
-def average_accuracy(curves: Mapping[str, Mapping[str, np.ndarray]], path: Path) -> None:
+def average_accuracy(
+    curves: Mapping[str, Mapping[str, np.ndarray]], path: Path, title: str = ""
+) -> None:
     """Average accuracy (%) against the number of tasks learned, one colour per method.
 
     ``curves`` maps a method to arrays over tasks: ``mean`` (a line), ``low`` and ``high``
     (a band, e.g. the lowest and highest seed) and optionally ``dashed`` (a second line in
-    the same colour, e.g. the point estimate beside the model average).
+    the same colour, e.g. the point estimate beside the model average). The legend names
+    every method, the band and the dashed lines.
     """
     fig, ax = plt.subplots(figsize=CURVES_SIZE)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    cmap = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
     for i, (label, c) in enumerate(curves.items()):
-        colour = colours[i % len(colours)]
+        colour = cmap(i % cmap.N)
         tasks = np.arange(1, len(c["mean"]) + 1)
         ax.plot(tasks, c["mean"], marker=".", color=colour, label=label)
         ax.fill_between(tasks, c["low"], c["high"], color=colour, alpha=0.2, lw=0)
         if "dashed" in c:
             ax.plot(tasks, c["dashed"], ls="--", lw=1, color=colour)
+    ax.fill_between([], [], color="grey", alpha=0.2, lw=0, label="band: lowest to highest seed")
+    if any("dashed" in c for c in curves.values()):
+        ax.plot([], [], ls="--", lw=1, color="grey", label="dashed: point estimate (at g)")
     ax.set(xlabel="tasks learned", ylabel="average accuracy over tasks learned (%)")
+    ax.set_title(title, fontsize="small")
     ax.set_xticks(np.arange(1, max(len(c["mean"]) for c in curves.values()) + 1))
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize="small")
+    ax.legend(loc="lower left", fontsize="x-small", ncol=1 if len(curves) <= 6 else 2)
     fig.tight_layout()
     _save(fig, path)
 

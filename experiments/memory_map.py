@@ -8,26 +8,30 @@ BLR optimizer with a ``[memory]`` table (:data:`MEMORY`). For every run and seed
 ``DIR/LABEL/seedS``:
 
 1. ``train/``: train the run (a checkpoint per epoch; ``--resume`` continues it);
-2. ``scores.pt``: the memory map of the training set with the Jacobian and the sample forms,
-   diagonal and with the cross-class terms (:func:`liegroup_blr.memory_map`);
-3. ``retrain.jsonl``: leave-one-out retraining of the ``top`` highest-scored and ``random``
-   random examples, warm-started from the trained posterior with the same noise, on the same
-   permutation per epoch with the example removed (batches re-cut from it, the last partial
-   batch kept, N − 1 as data size); a control on the full set, and a second control on other
-   permutations (the noise of retraining). The true change of example i after e epochs is
-   ‖p_removed − p_control‖₁ of the softmax of its mean logits over ``samples`` posterior
-   samples (the same draws before and after). One row per retraining, written atomically
+2. ``scores.pt``: every score of :data:`RANKINGS` for the training set (both forms of the
+   variance; the change of the probabilities and of the logits, diagonal and with the
+   cross-class terms), the library's default, and the baselines of :data:`BASELINES`;
+3. ``retrain.jsonl``: leave-one-out retraining of the ``top`` highest-scored (by the
+   default) and ``random`` random examples with common random numbers: warm-started from the
+   trained posterior with the same noise, on the same batches with the removed example
+   taken out of its batch (:class:`Retrainer`); a control with nothing removed on the same
+   batches, and one on other permutations. The mean logits over ``samples`` posterior
+   samples (the same draws before and after) of every retrained example are kept after each
+   of ``retrain_epochs``, and before retraining. One row per retraining, written atomically
    after each: a kill loses at most the one under way, ``--resume`` skips the finished;
 4. ``flip/`` and ``flip_scores.pt``: the run trained again with ``flip`` random labels
-   changed, and how many of those land among the ``flagged`` highest scores;
-5. ``memory_map.png``, ``flip_memory_map.png``, ``scatter.png`` and ``summary.json``.
+   changed, and how many of those each score puts among its ``flip`` highest;
+5. ``memory_map.png`` and ``flip_memory_map.png`` (the most and least sensitive examples),
+   ``error_variance.png`` and ``flip_error_variance.png`` (the two-axis map: prediction error
+   against prediction variance, regions named), ``scatter.png`` and ``summary.json``.
 
 ``DIR`` gets ``config.json`` (every resolved config and the ``[memory]`` table),
 ``results.json`` (mean ± sd over seeds) and ``report.md``.
 
 With a RUN_FOLDER (a finished ``experiments.train`` run, or an ``experiments.compare`` folder:
 each of its finished runs), it writes the memory map of the run's training set as
-``memory_map.png`` and ``memory_map.json`` into the run's folder, holding the run's lock.
+``memory_map.png``, ``error_variance.png`` and ``memory_map.json`` into the run's folder,
+holding the run's lock.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from experiments.train import (
 )
 from experiments.train import CONFIG as RUN_CONFIG
 from liegroup_blr import predictive
+from liegroup_blr.memory import REGIONS
 
 MEMORY: dict[str, Any] = {
     "samples": 64,
@@ -71,30 +76,38 @@ MEMORY: dict[str, Any] = {
     "retrain_epochs": [2, 5, 10],
     "retrain_lr": 0.1,
     "flip": 30,
-    "flagged": 60,
 }
 """The ``[memory]`` table with its defaults: ``samples`` posterior samples (for the sample
 form and for the true change), ``batch_size`` examples per batch of the memory map, ``top``
 highest-scored and ``random`` random examples to retrain, the epochs of retraining after
 which the change is read (``retrain_epochs``, increasing; it retrains to the last),
 ``retrain_lr`` its step size as a factor of the run's initial one (constant), ``flip``
-labels changed for the mislabelling experiment (0: none), ``flagged`` highest scores to
-search them in."""
+labels changed for the mislabelling experiment (0: none), searched for among each score's
+``flip`` highest."""
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "jacobian": {"method": "jacobian"},
-    "samples": {"method": "samples"},
-    "jacobian+cross": {"method": "jacobian", "cross_class": True},
-    "samples+cross": {"method": "samples", "cross_class": True},
+SCORES: dict[str, dict[str, Any]] = {
+    "probabilities": {"change": "probabilities"},
+    "probabilities+cross": {"change": "probabilities", "cross_class": True},
+    "logits": {"change": "logits"},
+    "logits+cross": {"change": "logits", "cross_class": True},
 }
-"""The scores computed for every run: both forms of the variance, with and without the
-cross-class terms; each diagonal one also as the change of the logits (``NAME.logits``)."""
+"""The score variants, as options of :func:`liegroup_blr.memory_map`: the change of the
+probabilities (Σₖ|eₖλₖvₖ|) or of the logits (Σₖ|vₖeₖ|), and both with the cross-class terms."""
 
-RANKINGS = [*VARIANTS, "jacobian.logits", "samples.logits"]
-"""The scores compared with retraining."""
+FORMS = ("jacobian", "samples")
+RANKINGS = [f"{form}:{score}" for form in FORMS for score in SCORES]
+"""Every score computed, named ``FORM:SCORE`` (the form of the prediction variance)."""
+
+BASELINES = ("loss", "residual", "variance")
+"""Rankings without the estimate: the example's own loss at the point estimate (what a
+network without a posterior gives), the residual size ‖eᵢ‖₁ alone (the score with the
+variance removed) and the total prediction variance alone (with the residual removed)."""
+
+ERROR_THRESHOLD, VARIANCE_QUANTILE = 1.0, 0.9
+"""The region boundaries of the two-axis maps (:meth:`liegroup_blr.memory.MemoryMap.regions`)."""
 
 BLR = ("additive", "multiplicative", "affine")
-SCORES, FLIP_SCORES, RETRAIN, SUMMARY = (
+SCORES_FILE, FLIP_SCORES, RETRAIN, SUMMARY = (
     "scores.pt",
     "flip_scores.pt",
     "retrain.jsonl",
@@ -112,7 +125,7 @@ def resolve(
     if not isinstance(given, dict):
         raise config_module.ConfigError(f"[memory] must be a table, got {given!r}")
     memory = config_module.fill("[memory]", given, MEMORY)
-    for key in ("samples", "batch_size", "top", "random", "flagged"):
+    for key in ("samples", "batch_size", "top", "random"):
         least = 2 if key == "samples" else 1
         if memory[key] < least:
             raise config_module.ConfigError(f"[memory].{key} must be >= {least}, got {memory[key]}")
@@ -183,8 +196,8 @@ def trained(cfg: dict[str, Any], folder: Path, flips: dict[int, int] | None = No
 
 
 def _check_data(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
-    """What only the data can tell: no augmentation by the dataset's default, and leaving
-    one of N examples out does not take a batch away (N mod batch size ≠ 1)."""
+    """What only the data can tell: no augmentation by the dataset's default, and no batch
+    that could hold the removed example alone (N mod batch size ≠ 1)."""
     for by_seed in configs.values():
         for cfg in by_seed.values():
             dcfg = cfg["data"]
@@ -198,8 +211,9 @@ def _check_data(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
             size, batch = len(data.train_y), dcfg["batch_size"]
             if size % batch == 1:
                 raise config_module.ConfigError(
-                    f"[data].batch_size {batch}: N − 1 = {size - 1} examples would make one "
-                    "batch fewer than N; choose a batch size that does not divide N − 1"
+                    f"[data].batch_size {batch}: the last batch of the N = {size} examples "
+                    "holds one, which would be empty with it removed; choose a batch size "
+                    "that does not divide N − 1"
                 )
 
 
@@ -215,8 +229,9 @@ def metrics_on_test(run: Run, samples: int) -> dict[str, Any]:
 
 # --------------------------------------------------------------------- scores
 def scores(run: Run, memory: dict[str, Any], seed: int) -> dict[str, Any]:
-    """Every variant's scores of the training set, the variant ``"auto"`` picks, the NLL at
-    the point estimate and the residual norm Σ|e| (baselines), and the labels."""
+    """Every ranking of the training set: the scores of :data:`RANKINGS`, the library's
+    default (``"default"``, with its form ``"auto"`` and the regions of its map), and the
+    baselines of :data:`BASELINES`; and the labels."""
     x, y = _inputs(run)
 
     def memory_map(**options: Any) -> lgb.MemoryMap:
@@ -231,16 +246,20 @@ def scores(run: Run, memory: dict[str, Any], seed: int) -> dict[str, Any]:
             **options,
         )
 
-    auto = memory_map()
-    out: dict[str, Any] = {"labels": y.cpu(), "auto": auto.method}
-    for name, options in VARIANTS.items():
-        mm = auto if name == auto.method else memory_map(**options)
-        out[name] = mm.scores.cpu()
-        if not options.get("cross_class"):
-            out[f"{name}.residual"] = mm.residuals.abs().sum(1).cpu()
-            out[f"{name}.logits"] = (mm.variances * mm.residuals).abs().sum(1).cpu()
+    default = memory_map()
+    out: dict[str, Any] = {
+        "labels": y.cpu(),
+        "auto": default.method,
+        "default": default.scores.cpu(),
+        "residual": default.prediction_error.cpu(),
+        "variance": default.total_variance.cpu(),
+        "regions": default.regions(ERROR_THRESHOLD, VARIANCE_QUANTILE).cpu(),
+    }
+    for form in FORMS:
+        for name, options in SCORES.items():
+            out[f"{form}:{name}"] = memory_map(method=form, **options).scores.cpu()
     log_p = predictive.predictive_log_probs(run.model, [x])
-    out["nll"] = -log_p.gather(1, y[:, None])[:, 0].cpu()
+    out["loss"] = -log_p.gather(1, y[:, None])[:, 0].cpu()
     return out
 
 
@@ -263,14 +282,18 @@ def chosen(score: Tensor, top: int, random: int, seed: int) -> tuple[list[int], 
 
 # ---------------------------------------------------------------- retraining
 class Retrainer:
-    """Warm-started retraining from a trained run's state with the same noise.
+    """Warm-started retraining from a trained run's state with common random numbers.
 
-    Epoch e of a retraining shuffles the N examples with a generator seeded
-    ``seed + 7919·permutation + e``, drops the removed example from that order and cuts
-    batches of the run's batch size from it, keeping the last partial batch. The rows it
-    gives hold, per example, ``"average"``: the softmax of the mean logits over ``samples``
-    posterior samples (drawn from one fixed seed, so the same ξ before and after), and
-    ``"point"``: the softmax at the point estimate.
+    Every retraining starts from the run's trained model and optimizer state (its noise
+    generator included), at ``retrain_lr`` times the initial step size. Epoch e shuffles
+    the N examples with a generator seeded ``seed + 7919·permutation + e`` and cuts batches
+    of the run's batch size from that order, keeping the last partial batch. A removed
+    example is taken out of its batch, whose loss is still divided by the batch's full size:
+    every other example keeps its weight, the data size stays N, and the objective is
+    :math:`\\frac1N[\\sum_{j\\ne i}\\ell_j + \\frac\\delta2\\|\\theta\\|^2 - \\tau\\mathcal H]`,
+    the leave-one-out objective up to a constant factor. So the retraining without i and the
+    control (nothing removed, same permutation) see the same batches and draw the same noise:
+    they differ by example i's term alone.
     """
 
     def __init__(self, run: Run, memory: dict[str, Any], seed: int) -> None:
@@ -279,13 +302,13 @@ class Retrainer:
         self.model_state = copy.deepcopy(run.model.state_dict())
         self.optimizer_state = copy.deepcopy(run.optimizer.state_dict())
 
-    def probabilities(self, index: Tensor) -> dict[str, list[list[float]]]:
-        """Softmax of the mean logits over the posterior samples (the same draws whatever the
-        state), and at the point estimate, of the examples ``index``."""
+    def logits(self, index: Tensor) -> list[list[float]]:
+        """The mean logits of the examples ``index`` over ``samples`` posterior samples
+        (drawn from one fixed seed: the same draws whatever the state)."""
         run, samples = self.run, self.memory["samples"]
         post = lgb.Posterior.from_optimizer(run.optimizer, run.model)
         gen = torch.Generator(run.device).manual_seed(self.seed + 1)
-        x = self.x[index]
+        x = self.x[index.to(run.device)]
         was_training = run.model.training
         run.model.eval()
         with torch.no_grad():
@@ -293,42 +316,38 @@ class Retrainer:
             for _ in range(samples):
                 with post.sampled(run.model, gen):
                     total = total + run.model(x)
-            point = torch.softmax(run.model(x), -1)
         run.model.train(was_training)
-        mean = torch.softmax(total / samples, -1)
-        return {"average": mean.double().tolist(), "point": point.double().tolist()}
+        return (total / samples).double().tolist()
 
     def retrain(
         self, removed: int | None, index: Tensor, permutation: int = 0
-    ) -> dict[str, dict[str, list[list[float]]]]:
-        """Retrain without ``removed`` (None: the full set); the probabilities of ``index``
+    ) -> dict[str, list[list[float]]]:
+        """Retrain without ``removed`` (None: nothing removed); the mean logits of ``index``
         after each of ``retrain_epochs``."""
         run, memory = self.run, self.memory
         run.model.load_state_dict(self.model_state)
         run.optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))  # it aliases
-        size = len(self.y)
         for group in run.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * memory["retrain_lr"]
-            group["data_size"] = size - (removed is not None)
-        batch = run.cfg["data"]["batch_size"]
+        size, batch = len(self.y), run.cfg["data"]["batch_size"]
         run.model.train()
         out = {}
         for epoch in range(memory["retrain_epochs"][-1]):
             gen = torch.Generator().manual_seed(self.seed + 7919 * permutation + epoch)
-            order = torch.randperm(size, generator=gen)
-            if removed is not None:
-                order = order[order != removed]
-            for start in range(0, len(order), batch):
-                rows = order[start : start + batch].to(run.device)
-                run.optimizer.step(self._closure(rows))  # type: ignore[arg-type]
+            for rows in torch.randperm(size, generator=gen).split(batch):
+                kept = rows if removed is None else rows[rows != removed]
+                run.optimizer.step(self._closure(kept.to(run.device), len(rows)))  # type: ignore[arg-type]
             if epoch + 1 in memory["retrain_epochs"]:
-                out[str(epoch + 1)] = self.probabilities(index)
+                out[str(epoch + 1)] = self.logits(index)
         return out
 
-    def _closure(self, rows: Tensor) -> Callable[[], Tensor]:
+    def _closure(self, rows: Tensor, batch: int) -> Callable[[], Tensor]:
+        """The loss of ``rows``, summed and divided by the size ``batch`` of their batch."""
+
         def closure() -> Tensor:
             self.run.optimizer.zero_grad()
-            loss = cross_entropy(self.run.model(self.x[rows]), self.y[rows])
+            logits = self.run.model(self.x[rows])
+            loss = cross_entropy(logits, self.y[rows], reduction="sum") / batch
             loss.backward()
             return loss.detach()
 
@@ -338,27 +357,22 @@ class Retrainer:
 def retrain_all(
     retrainer: Retrainer, examples: list[int], path: Path, desc: str
 ) -> list[dict[str, Any]]:
-    """The two controls and one retraining per example, each row appended to ``path``
-    (rewritten atomically) as soon as it is done; rows already there are kept."""
+    """The logits before retraining (``"start"``), the two controls (``"control"``: nothing
+    removed, same batches; ``"permuted"``: nothing removed, other permutations) and one
+    retraining per example (``"removed"``), each holding the mean logits of every example
+    in ``examples``; each row appended to ``path`` (rewritten atomically) as soon as it is
+    done; rows already there are kept."""
     rows = runfiles.read_jsonl(path)
     done = {(r["kind"], r["index"]) for r in rows}
-    queue: list[tuple[str, int | None]] = [("control", None), ("permuted", None)]
+    queue: list[tuple[str, int | None]] = [("start", None), ("control", None), ("permuted", None)]
     queue += [("removed", i) for i in examples]
     everyone = torch.tensor(examples)
     for kind, i in tqdm([q for q in queue if q not in done], desc=desc, unit="retraining"):
-        if kind == "removed":
-            assert i is not None
-            probs = retrainer.retrain(i, torch.tensor([i]))
+        if kind == "start":
+            logits = {"0": retrainer.logits(everyone)}
         else:
-            probs = retrainer.retrain(None, everyone, permutation=int(kind == "permuted"))
-        rows.append(
-            {
-                "kind": kind,
-                "index": i,
-                "examples": [i] if i is not None else examples,
-                "epochs": probs,
-            }
-        )
+            logits = retrainer.retrain(i, everyone, permutation=int(kind == "permuted"))
+        rows.append({"kind": kind, "index": i, "examples": examples, "epochs": logits})
         runfiles.write_jsonl(path, rows)
     return rows
 
@@ -387,31 +401,61 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return pearson(_ranks(a), _ranks(b))
 
 
-def changes(
-    rows: list[dict[str, Any]], labels: Tensor, epoch: str, which: str = "average"
-) -> dict[str, Any]:
-    """Per retrained example (in the order of the control's examples), against the control
-    after ``epoch`` epochs: the true change ‖p_removed − p_control‖₁ and the change of the
-    probability of the example's own label (``label``), and the same for the retraining on
-    other permutations with nothing removed (``floor``, ``label_floor``)."""
+def _softmax(logits: Any) -> np.ndarray:
+    return torch.tensor(np.asarray(logits, dtype=np.float64)).softmax(-1).numpy()
+
+
+SPACES = {"probabilities": "", "logits": "_logits"}
+"""Where changes are measured, with the suffix of their keys in :func:`changes`: the
+probabilities (softmax of the mean logits) and the mean logits."""
+
+FLOORS = {
+    "drift": "retraining alone",
+    "others": "another example removed",
+    "permuted": "other permutations",
+}
+"""What the true change is measured against (:func:`changes`), with its name in reports."""
+
+
+def changes(rows: list[dict[str, Any]], labels: Tensor, epoch: str) -> dict[str, Any]:
+    """Per retrained example i (in the order of the rows' examples), after ``epoch`` epochs,
+    of its probabilities p (keys without suffix) and of its mean logits f (suffix
+    ``_logits``), as L1 distances:
+
+    - ``truth``: ‖p(without i) − p(control)‖₁, what removing i changes;
+    - the floors, with nothing of i's removed: ``drift``, ‖p(control) − p(before
+      retraining)‖₁, the change that retraining alone makes (common random numbers);
+      ``others``, the median over the other retrained examples j of ‖p(without j) −
+      p(control)‖₁, the change that removing some other example makes (common random
+      numbers); and ``permuted``, ‖p(control on other permutations) − p(control)‖₁ (no
+      common random numbers);
+
+    and ``label``, the change of the probability of i's own label when i is removed."""
     by_kind = {r["kind"]: r for r in rows if r["kind"] != "removed"}
-    control = np.array(by_kind["control"]["epochs"][epoch][which])
-    permuted = np.array(by_kind["permuted"]["epochs"][epoch][which])
-    removed = {
-        r["index"]: np.array(r["epochs"][epoch][which][0]) for r in rows if r["index"] is not None
-    }
     examples = by_kind["control"]["examples"]
-    mine = labels[examples].numpy()
-    moved = np.stack([removed[i] for i in examples]) - control
-    noise = permuted - control
-    at = np.arange(len(examples))
-    return {
-        "examples": examples,
-        "truth": np.abs(moved).sum(1),
-        "floor": np.abs(noise).sum(1),
-        "label": moved[at, mine],
-        "label_floor": noise[at, mine],
+    removed = {r["index"]: r["epochs"][epoch] for r in rows if r["kind"] == "removed"}
+    logits = {
+        "control": by_kind["control"]["epochs"][epoch],
+        "start": by_kind["start"]["epochs"]["0"],
+        "permuted": by_kind["permuted"]["epochs"][epoch],
+        "without": [removed[i] for i in examples],  # [j removed, k example, K]
     }
+    at, n = np.arange(len(examples)), len(examples)
+    out: dict[str, Any] = {"examples": examples}
+    for space, suffix in SPACES.items():
+        v = {
+            k: _softmax(f) if space == "probabilities" else np.asarray(f) for k, f in logits.items()
+        }
+        moved = np.abs(v["without"] - v["control"]).sum(-1)  # [j, k]
+        others = np.where(np.eye(n, dtype=bool), np.nan, moved)
+        out[f"truth{suffix}"] = moved[at, at]
+        out[f"drift{suffix}"] = np.abs(v["control"] - v["start"]).sum(-1)
+        out[f"others{suffix}"] = np.nanmedian(others, axis=0) if n > 1 else np.full(n, np.nan)
+        out[f"permuted{suffix}"] = np.abs(v["permuted"] - v["control"]).sum(-1)
+        if space == "probabilities":
+            mine = labels[examples].numpy()
+            out["label"] = v["without"][at, at, mine] - v["control"][at, mine]
+    return out
 
 
 def agreement(estimate: np.ndarray, truth: np.ndarray) -> dict[str, float | None]:
@@ -424,69 +468,82 @@ def agreement(estimate: np.ndarray, truth: np.ndarray) -> dict[str, float | None
         "pearson_log": pearson(np.log(estimate[positive]), np.log(truth[positive]))
         if positive.sum() > 1
         else math.nan,
-        "median_ratio": float(np.median(estimate[positive] / truth[positive]))
-        if positive.any()
-        else math.nan,
+        "median_ratio": _median_ratio(estimate, truth),
     }
     return {k: _defined(v) for k, v in values.items()}
+
+
+def _median_ratio(a: np.ndarray, b: np.ndarray) -> float:
+    """The median of a / b over the pairs with b > 0 (NaN if none)."""
+    positive = b > 0
+    return float(np.median(a[positive] / b[positive])) if positive.any() else math.nan
 
 
 def summarise_retraining(
     score: dict[str, Any], rows: list[dict[str, Any]], top: list[int], memory: dict[str, Any]
 ) -> dict[str, Any]:
-    """After each retraining length: the agreement of every ranking's scores with the true
-    changes, over all retrained examples and over the random ones; its Spearman correlation
-    with the drop of the own label's probability, and with the retraining noise (nothing
-    removed, other permutations: a score that only marks examples that move under any
-    perturbation correlates with it as well); how often the own label's probability drops,
-    with the example removed and with nothing removed."""
+    """After each retraining length, over the random examples only: per space
+    (:data:`SPACES`) the medians of the true changes and of the floors (:func:`changes`),
+    the median ratio of the true change to each floor and how often it exceeds it, and the
+    Spearman correlation of the true change with the drift; how often the own label's
+    probability drops; and per ranking (:data:`RANKINGS`, :data:`BASELINES`, ``"default"``)
+    its agreement with the true change in each space and its Spearman correlation with the
+    drift. Apart (``top_over_random``): the median true change of the ``top`` highest-scored
+    examples over that of the random ones."""
     out: dict[str, Any] = {}
     for epoch in (str(e) for e in memory["retrain_epochs"]):
         c = changes(rows, score["labels"], epoch)
         examples = np.array(c["examples"])
-        random = ~np.isin(examples, top)
+        is_top = np.isin(examples, top)
+        r = {k: v[~is_top] for k, v in c.items() if k != "examples"}
         entry: dict[str, Any] = {
-            "truth_median": float(np.median(c["truth"])),
-            "floor_median": float(np.median(c["floor"])),
-            "above_floor": float((c["truth"] > c["floor"]).mean()),
-            "label_drops": float((c["label"] < 0).mean()),
-            "label_drops_floor": float((c["label_floor"] < 0).mean()),
+            "random": int((~is_top).sum()),
+            "label_drops": float((r["label"] < 0).mean()),
         }
-        for name in RANKINGS:
-            est = score[name][examples].double().numpy()
-            entry[name] = {
-                "all": agreement(est, c["truth"]),
-                "random": agreement(est[random], c["truth"][random]),
-                "label": _defined(spearman(est, -c["label"])),
-                "label_floor": _defined(spearman(est, -c["label_floor"])),
-                "floor": _defined(spearman(est, c["floor"])),
+        for space, x in SPACES.items():
+            truth = r[f"truth{x}"]
+            entry[space] = {
+                **{f"{k}_median": float(np.median(r[f"{k}{x}"])) for k in ("truth", *FLOORS)},
+                **{f"truth_over_{k}": _median_ratio(truth, r[f"{k}{x}"]) for k in FLOORS},
+                **{f"above_{k}": float((truth > r[f"{k}{x}"]).mean()) for k in FLOORS},
+                "truth_drift_spearman": spearman(truth, r[f"drift{x}"]),
+                "top_over_random": float(np.median(c[f"truth{x}"][is_top]) / np.median(truth))
+                if is_top.any()
+                else math.nan,
             }
-        out[epoch] = entry
+        for name in [*RANKINGS, *BASELINES, "default"]:
+            est = score[name][examples[~is_top]].double().numpy()
+            entry[name] = {
+                space: {
+                    **agreement(est, r[f"truth{x}"]),
+                    "drift": spearman(est, r[f"drift{x}"]),
+                }
+                for space, x in SPACES.items()
+            }
+        out[epoch] = _all_defined(entry)
     return out
+
+
+def _all_defined(tree: Any) -> Any:
+    """``tree`` with every non-finite float replaced by None (JSON has no NaN)."""
+    if isinstance(tree, dict):
+        return {k: _all_defined(v) for k, v in tree.items()}
+    return _defined(tree) if isinstance(tree, float) else tree
 
 
 def _defined(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def summarise_flips(
-    flip_score: dict[str, Any], flips: dict[int, int], memory: dict[str, Any]
-) -> dict[str, Any]:
-    """How many flipped labels land among the ``flagged`` highest of each ranking, and the
-    number expected at random."""
-    size = len(flip_score["labels"])
-    flagged = memory["flagged"]
-    keys = [*RANKINGS, "nll", "jacobian.residual"]
+def summarise_flips(flip_score: dict[str, Any], flips: dict[int, int]) -> dict[str, Any]:
+    """How many of the k flipped labels land among the k highest of each ranking, and the
+    number expected at random (k²/N)."""
+    size, k = len(flip_score["labels"]), len(flips)
     found = {
-        k: sum(int(i) in flips for i in flip_score[k].argsort(descending=True)[:flagged].tolist())
-        for k in keys
+        name: sum(int(i) in flips for i in flip_score[name].argsort(descending=True)[:k].tolist())
+        for name in [*RANKINGS, *BASELINES, "default"]
     }
-    return {
-        "found": found,
-        "flipped": len(flips),
-        "flagged": flagged,
-        "random": len(flips) * flagged / size,
-    }
+    return {"found": found, "flipped": k, "random": k * k / size}
 
 
 # ----------------------------------------------------------------- one run
@@ -497,25 +554,24 @@ def validate(
     seed = cfg["seed"]
     run = trained(cfg, folder / "train")
     test = metrics_on_test(run, memory["samples"])
-    score = _cached(folder / SCORES, lambda: scores(run, memory, seed))
-    primary = score[score["auto"]]
-    top, random = chosen(primary, memory["top"], memory["random"], seed)
+    score = _cached(folder / SCORES_FILE, lambda: scores(run, memory, seed))
+    top, random = chosen(score["default"], memory["top"], memory["random"], seed)
     rows = retrain_all(Retrainer(run, memory, seed), top + random, folder / RETRAIN, desc)
     title = f"{cfg['data']['name']}, {desc}"
-    figures.memory_map(
-        run.data.train_x,
-        score["labels"],
-        primary,
-        folder / "memory_map.png",
-        f"{title}: {score['auto']} scores",
-    )
-    _scatter(score, rows, top, str(memory["retrain_epochs"][-1]), folder / "scatter.png")
+    _maps(run.data.train_x, score, folder, "", title)
+    _scatter(score, rows, top, str(memory["retrain_epochs"][-1]), folder / "scatter.png", title)
     summary = {
         "method": score["auto"],
         "test": test,
         "train_size": len(score["labels"]),
+        "test_size": len(run.data.test_y),
         "retrained": {"top": top, "random": random},
+        "regions": _region_counts(score["regions"]),
         "retraining": summarise_retraining(score, rows, top, memory),
+        "baselines": {  # Spearman over the whole training set
+            name: _defined(spearman(score["default"].numpy(), score[name].numpy()))
+            for name in BASELINES
+        },
     }
     if memory["flip"]:
         summary.update(_flipped(cfg, memory, folder, run.data, title))
@@ -523,43 +579,90 @@ def validate(
     return summary
 
 
-def _scatter(
-    score: dict[str, Any], rows: list[dict[str, Any]], top: list[int], epoch: str, path: Path
+def _region_counts(regions: Tensor) -> dict[str, int]:
+    counts = torch.bincount(regions, minlength=len(REGIONS)).tolist()
+    return dict(zip(REGIONS, counts, strict=True))
+
+
+def _maps(
+    images: Tensor,
+    score: dict[str, Any],
+    folder: Path,
+    prefix: str,
+    title: str,
+    marked: dict[int, int] | None = None,
 ) -> None:
-    """Estimated against true changes after ``epoch`` epochs, both forms of the variance."""
+    """The gallery (``memory_map.png``) and the two-axis map (``error_variance.png``) of the
+    default scores, names prefixed with ``prefix``; ``marked``: index → original label."""
+    name = f"default scores ({score['auto']} form)"
+    figures.memory_map(
+        images,
+        score["labels"],
+        score["default"],
+        folder / f"{prefix}memory_map.png",
+        f"{title}: {name}",
+        marked=marked,
+    )
+    error, variance, default = (score[k].double() for k in ("residual", "variance", "default"))
+    figures.error_variance_map(
+        error.numpy(),
+        variance.numpy(),
+        default.numpy(),
+        score["regions"].numpy(),
+        (ERROR_THRESHOLD, float(torch.quantile(variance, VARIANCE_QUANTILE))),
+        folder / f"{prefix}error_variance.png",
+        f"{title}: {name}",
+        marked=sorted(marked or {}),
+    )
+
+
+def _scatter(
+    score: dict[str, Any],
+    rows: list[dict[str, Any]],
+    top: list[int],
+    epoch: str,
+    path: Path,
+    title: str,
+) -> None:
+    """Estimated against true changes after ``epoch`` epochs: the paper's score against the
+    change of the probabilities, the logit score against the change of the logits (the
+    form the library picks)."""
     c = changes(rows, score["labels"], epoch)
-    is_top = np.isin(np.array(c["examples"]), top)
+    examples = c["examples"]
+    form = score["auto"]
     panels = {
-        f"{name} ({epoch} epochs)": {
-            "truth": c["truth"],
-            "floor": c["floor"],
-            "estimate": score[name][c["examples"]].double().numpy(),
-            "top": is_top,
+        f"{form}:{space} score ({epoch} epochs)": {
+            "truth": c[f"truth{x}"],
+            "estimate": score[f"{form}:{space}"][examples].double().numpy(),
+            "floor": c[f"drift{x}"],
+            "top": np.isin(np.array(examples), top),
+            "xlabel": f"true change ‖{symbol}(without i) − {symbol}‖₁ (retraining)",
         }
-        for name in ("jacobian", "samples")
+        for (space, x), symbol in zip(SPACES.items(), "pf", strict=True)
     }
-    figures.sensitivity_scatter(panels, path)
+    figures.sensitivity_scatter(panels, path, title)
 
 
 def _flipped(
     cfg: dict[str, Any], memory: dict[str, Any], folder: Path, data: Dataset, title: str
 ) -> dict[str, Any]:
-    """The run trained again with ``flip`` labels changed: its map, figure and test metrics,
-    and how many flipped labels each ranking finds."""
+    """The run trained again with ``flip`` labels changed: its maps and test metrics, and
+    how many flipped labels each ranking finds."""
     seed, labels = cfg["seed"], data.train_y
     flips = flipped_labels(labels, memory["flip"], data.num_classes, seed)
     run = trained(cfg, folder / "flip", flips)
     score = _cached(folder / FLIP_SCORES, lambda: scores(run, memory, seed))
-    figures.memory_map(
-        run.data.train_x,
-        score["labels"],
-        score[score["auto"]],
-        folder / "flip_memory_map.png",
-        f"{title}: {memory['flip']} labels flipped (red: flipped, 'was' the true label)",
-        marked={i: int(labels[i]) for i in flips},
-    )
+    marked = {i: int(labels[i]) for i in flips}
+    flipped = f"{title}, {memory['flip']} labels flipped (red)"
+    _maps(run.data.train_x, score, folder, "flip_", flipped, marked)
+    is_flipped = torch.zeros(len(labels), dtype=torch.bool)
+    is_flipped[list(flips)] = True
     return {
-        "flips": summarise_flips(score, flips, memory),
+        "flips": summarise_flips(score, flips),
+        "flip_regions": {
+            "all": _region_counts(score["regions"]),
+            "flipped": _region_counts(score["regions"][is_flipped]),
+        },
         "flip_test": metrics_on_test(run, memory["samples"]),
     }
 
@@ -590,7 +693,7 @@ def memory_maps(
             }
             results[label] = {"summary": aggregate(list(per_seed.values())), "per_seed": per_seed}
         runfiles.write_json(out / "results.json", results)
-        runfiles.write_text(out / "report.md", report(results, memory) + "\n")
+        runfiles.write_text(out / "report.md", report(results, configs, memory) + "\n")
     return results
 
 
@@ -612,69 +715,114 @@ def aggregate(values: list[Any]) -> Any:
     return first if all(v == first for v in values) else values
 
 
-def _mean_sd(leaf: dict[str, Any] | None, digits: int = 2) -> str:
+def _mean_sd(leaf: dict[str, Any] | None, digits: int = 2, style: str = "f") -> str:
     if not isinstance(leaf, dict):
         return "n/a"
     if leaf["sd"] is None:
-        return f"{leaf['mean']:.{digits}f}"
-    return f"{leaf['mean']:.{digits}f} ± {leaf['sd']:.{digits}f}"
+        return f"{leaf['mean']:.{digits}{style}}"
+    return f"{leaf['mean']:.{digits}{style}} ± {leaf['sd']:.{digits}{style}}"
 
 
-def report(results: dict[str, Any], memory: dict[str, Any]) -> str:
-    """Markdown: agreement with retraining and flipped labels found, mean ± sd over seeds."""
+def _conditions(cfg: dict[str, Any], res: dict[str, Any], memory: dict[str, Any]) -> str:
+    """The settings every number of a run's section was measured under."""
+    s, one = res["summary"], next(iter(res["per_seed"].values()))
+    opt, seeds = cfg["optimizer"], res["per_seed"]
+    return (
+        f"{cfg['model']['name']} {cfg['model'].get('widths', '')} on {cfg['data']['name']} "
+        f"({one['train_size']} train / {one['test_size']} test), {cfg['schedule']['epochs']} "
+        f"passes, batch {cfg['data']['batch_size']}, {opt.get('mc_samples', 1)} samples per "
+        f"step; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}; test accuracy "
+        f"{_mean_sd(s['test']['point']['accuracy'], 4)} at the point estimate, "
+        f"{_mean_sd(s['test']['average']['accuracy'], 4)} averaged over {memory['samples']} "
+        f"posterior samples."
+    )
+
+
+def report(
+    results: dict[str, Any],
+    configs: dict[str, dict[int, dict[str, Any]]],
+    memory: dict[str, Any],
+) -> str:
+    """Markdown: per run, the agreement of every ranking with leave-one-out retraining on the
+    random examples, the floors, and the flipped labels found; mean ± sd over seeds."""
     lines = ["# Memory maps against leave-one-out retraining", ""]
     for label, res in results.items():
         s = res["summary"]
-        seeds = list(res["per_seed"])
+        cfg = next(iter(configs[label].values()))
         lines += [
-            f"## {label} (seeds {', '.join(seeds)}; {s['method']} form by default)",
+            f"## {label} (seeds {', '.join(res['per_seed'])}; {s['method']} form by default)",
             "",
-            f"Test accuracy {_mean_sd(s['test']['point']['accuracy'], 4)} at the point estimate, "
-            f"{_mean_sd(s['test']['average']['accuracy'], 4)} averaged over {memory['samples']} "
-            f"samples; {memory['top']} highest-scored and {memory['random']} random examples "
-            f"retrained at {memory['retrain_lr']}× the initial step size.",
+            _conditions(cfg, res, memory),
+            f"{memory['random']} random examples retrained (common random numbers) at "
+            f"{memory['retrain_lr']}× the initial step size. Spearman correlation over the "
+            "random examples of each ranking with the true change of the probabilities "
+            "(‖Δp‖₁) and of the logits (‖Δf‖₁), and with the drift (the change retraining "
+            "alone makes); median estimate ÷ the true change it estimates.",
             "",
-            "Spearman and Pearson correlations of the scores with the true change "
-            "‖p_removed − p_control‖₁ over all retrained examples (all) and the random ones; "
-            "Spearman with the drop of the example's own label probability (label drop), and "
-            "with the same two changes from retraining on other permutations with nothing "
-            "removed (noise, label noise): a score that only marks examples that move under "
-            "any perturbation correlates with these as well.",
-            "",
-            "| epochs | scores | Spearman (all) | Spearman (random) | Pearson (all) | "
-            "Pearson of logs | Spearman, label drop | Spearman, noise | Spearman, label noise | "
-            "median estimate / truth |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| epochs | ranking | Spearman, ‖Δp‖₁ | Spearman, ‖Δf‖₁ | Spearman, drift of p | "
+            "Spearman, drift of f | median estimate ÷ truth |",
+            "|---:|---|---:|---:|---:|---:|---:|",
         ]
         for epoch, entry in s["retraining"].items():
-            for name in RANKINGS:
-                a, r = entry[name]["all"], entry[name]["random"]
-                ratio = "—" if name.endswith(".logits") else _mean_sd(a["median_ratio"], 3)
+            for name in [*RANKINGS, "default", *BASELINES]:
+                p, f = entry[name]["probabilities"], entry[name]["logits"]
+                own = f if name.split(":")[-1].startswith("logits") else p
+                ratio = _mean_sd(own["median_ratio"], 3) if ":" in name else "—"
                 lines.append(
-                    f"| {epoch} | {name} | {_mean_sd(a['spearman'])} | "
-                    f"{_mean_sd(r['spearman'])} | {_mean_sd(a['pearson'])} | "
-                    f"{_mean_sd(a['pearson_log'])} | {_mean_sd(entry[name]['label'])} | "
-                    f"{_mean_sd(entry[name]['floor'])} | {_mean_sd(entry[name]['label_floor'])} | "
-                    f"{ratio} |"
+                    f"| {epoch} | {name} | {_mean_sd(p['spearman'])} | "
+                    f"{_mean_sd(f['spearman'])} | {_mean_sd(p['drift'])} | "
+                    f"{_mean_sd(f['drift'])} | {ratio} |"
                 )
         lines.append("")
         for epoch, entry in s["retraining"].items():
+            for space in SPACES:
+                e = entry[space]
+                floors = ", ".join(
+                    f"{name} {_mean_sd(e[f'{key}_median'], 2, 'e')} (truth ÷ it "
+                    f"{_mean_sd(e[f'truth_over_{key}'])}, truth above it for "
+                    f"{_mean_sd(e[f'above_{key}'])})"
+                    for key, name in FLOORS.items()
+                )
+                paired = "; ".join(
+                    f"minus the {b} alone's: {_paired(res, epoch, space, b)}" for b in BASELINES[:2]
+                )
+                lines.append(
+                    f"- {space}, after {epoch} epochs, random examples: median true change "
+                    f"{_mean_sd(e['truth_median'], 2, 'e')}; floors: {floors}; Spearman of "
+                    f"truth and drift {_mean_sd(e['truth_drift_spearman'])}; the "
+                    f"{memory['top']} highest-scored change {_mean_sd(e['top_over_random'], 1)}× "
+                    f"as much (medians); per seed, the default's Spearman {paired}."
+                )
             lines.append(
                 f"- after {epoch} epochs the own label's probability drops for "
-                f"{_mean_sd(entry['label_drops'])} of the removed examples "
-                f"({_mean_sd(entry['label_drops_floor'])} with nothing removed); the true change "
-                f"exceeds the permutation noise for {_mean_sd(entry['above_floor'])}."
+                f"{_mean_sd(entry['label_drops'])} of the removed random examples."
             )
+        lines.append(
+            "- over the whole training set the default score ranks with Spearman "
+            + ", ".join(f"{_mean_sd(v)} against the {k}" for k, v in s["baselines"].items())
+            + " alone."
+        )
         if "flips" in s:
             f = s["flips"]
             found = ", ".join(f"{k}: {_mean_sd(v, 1)}" for k, v in f["found"].items())
             lines += [
                 "",
-                f"Flipped labels among the {memory['flagged']} highest of {memory['flip']}: "
-                f"{found} (at random: {_mean_sd(f['random'], 2)}).",
+                f"Flipped labels among each ranking's {memory['flip']} highest, of "
+                f"{memory['flip']}: {found} (at random: {_mean_sd(f['random'], 2)}).",
             ]
         lines.append("")
     return "\n".join(lines)
+
+
+def _paired(res: dict[str, Any], epoch: str, space: str, baseline: str) -> str:
+    """Per seed, the default's Spearman correlation with the true change minus the
+    ``baseline``'s (a paired difference: both ranked the same retrained examples)."""
+    out = []
+    for summary in res["per_seed"].values():
+        entry = summary["retraining"][epoch]
+        a, b = (entry[k][space]["spearman"] for k in ("default", baseline))
+        out.append("n/a" if a is None or b is None else f"{a - b:+.3f}")
+    return ", ".join(out)
 
 
 def _show(results: dict[str, Any], out: Path) -> None:
@@ -693,8 +841,9 @@ def run_folders(folder: Path) -> list[Path]:
 
 
 def map_of_run(folder: Path, samples: int = 64, batch_size: int = 32) -> dict[str, Any]:
-    """``memory_map.png`` and ``memory_map.json`` (the auto scores and the 50 highest) of a
-    finished run's training set, written into its folder under its lock."""
+    """``memory_map.png``, ``error_variance.png`` and ``memory_map.json`` (the default
+    scores, the regions' sizes and the 50 highest) of a finished run's training set,
+    written into its folder under its lock."""
     with runfiles.locked(folder):
         cfg = config_module.resolve(runfiles.read_json(folder / RUN_CONFIG))
         if cfg["optimizer"]["name"] not in BLR:
@@ -711,14 +860,21 @@ def map_of_run(folder: Path, samples: int = 64, batch_size: int = 32) -> dict[st
             batch_size=batch_size,
             generator=torch.Generator(run.device).manual_seed(cfg["seed"]),
         )
-        title = f"{cfg['optimizer']['name']} on {cfg['data']['name']}: {mm.method} scores"
-        figures.memory_map(
-            run.data.train_x, y.cpu(), mm.scores.cpu(), folder / "memory_map.png", title
-        )
+        score: dict[str, Any] = {
+            "labels": y.cpu(),
+            "auto": mm.method,
+            "default": mm.scores.cpu(),
+            "residual": mm.prediction_error.cpu(),
+            "variance": mm.total_variance.cpu(),
+            "regions": mm.regions(ERROR_THRESHOLD, VARIANCE_QUANTILE).cpu(),
+        }
+        title = f"{cfg['optimizer']['name']} on {cfg['data']['name']}, seed {cfg['seed']}"
+        _maps(run.data.train_x, score, folder, "", title)
         order = mm.scores.argsort(descending=True)[:50].tolist()
         summary = {
             "method": mm.method,
             "scores": mm.scores.cpu().tolist(),
+            "regions": _region_counts(score["regions"]),
             "highest": [
                 {"index": i, "label": int(y[i]), "score": float(mm.scores[i])} for i in order
             ],
@@ -740,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for folder in folders:
                 if map_of_run(folder):
-                    print(f"memory map in {folder / 'memory_map.png'}")
+                    print(f"memory maps in {folder}")
         except (ValueError, OSError, runfiles.RunError) as err:
             print(f"error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
             return 2

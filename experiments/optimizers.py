@@ -124,6 +124,20 @@ class IVON(ivon.IVON):
         self.current_step = int(step)
 
 
+Batch = tuple[nn.Module, torch.Tensor, torch.Tensor]
+"""A model and a minibatch (inputs, labels)."""
+
+
+class BatchOptimizer(torch.optim.Optimizer):
+    """An optimizer that computes its own gradients from the minibatch, as a functional
+    library's update does (posteriors'): the training loop calls ``step(batch=(model, x, y))``
+    in place of ``step(closure)``."""
+
+    def step(self, closure: Any = None, *, batch: Batch | None = None) -> float:  # type: ignore[override]
+        """One update on the minibatch ``(x, y)`` of ``model``; returns its loss."""
+        raise NotImplementedError
+
+
 def build_optimizer(
     cfg: dict[str, Any],
     params: Iterable[nn.Parameter],
@@ -135,7 +149,8 @@ def build_optimizer(
     Baselines get the prior as weight decay δ/N (SGD with EMA momentum: dampening = β);
     so does IVON, whose prior precision is ``weight_decay`` × ``ess`` (= δ with the default
     ``ess`` = N). The BLR optimizers receive δ, τ and N themselves, and ``process_group``
-    under torchrun.
+    under torchrun. ``vi`` is posteriors' mean-field VI (:mod:`experiments.meanfield`, the
+    peers' environment only).
     """
     name, lr = cfg["name"], cfg["lr"]
     decay = cfg["prior_precision"] / data_size
@@ -158,6 +173,8 @@ def build_optimizer(
             hess_approx=cfg["hess_approx"],
             clip_radius=math.inf if clip is None else clip,
         )
+    if name == "vi":
+        return _mean_field(cfg, params, data_size)
     common = {
         "momentum": cfg["momentum"],
         "base": from_name(cfg["base"], scale=cfg["base_scale"], **cfg["base_options"]),
@@ -185,6 +202,21 @@ def build_optimizer(
         base = common.pop("base")
         return lgb.LieGroupBLR(params, group, base, lr, **common, preconditioner=preconditioner)
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+def _mean_field(
+    cfg: dict[str, Any], params: Iterable[nn.Parameter], data_size: float
+) -> torch.optim.Optimizer:
+    """posteriors' ``vi.diag`` as :class:`experiments.meanfield.MeanFieldVI`."""
+    try:
+        from experiments.meanfield import MeanFieldVI
+    except ImportError as err:
+        raise ValueError(
+            f"optimizer 'vi' needs the peers' environment ({err}); make it with the command "
+            "in experiments/requirements-peers.txt"
+        ) from None
+    options = {k: cfg[k] for k in ("prior_precision", "init_log_sd", "mc_samples")}
+    return MeanFieldVI(params, cfg["lr"], data_size, betas=tuple(cfg["betas"]), **options)
 
 
 def lr_factor(epoch: int, epochs: int, warmup: int) -> float:

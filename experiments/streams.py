@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from experiments.data import Dataset
 
@@ -122,6 +122,19 @@ def column_mask(classes: tuple[int, ...], outputs: int) -> Tensor:
     mask = torch.full((outputs,), -math.inf)
     mask[list(classes)] = 0.0
     return mask
+
+
+class Head(nn.Module):
+    """One task's head of a network: the network's logits in the task's ``columns`` (in
+    their order), the model :class:`liegroup_blr.MemorablePast` scores a task with."""
+
+    def __init__(self, model: nn.Module, columns: Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("columns", columns)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)[:, self.columns]
 
 
 if __name__ == "__main__":

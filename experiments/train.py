@@ -38,7 +38,7 @@ from experiments.data import Dataset, load_dataset, test_batches, train_batches,
 from experiments.distributed import Processes
 from experiments.evaluate import evaluate
 from experiments.models import build_model
-from experiments.optimizers import IVON, build_optimizer, lr_factor
+from experiments.optimizers import IVON, BatchOptimizer, build_optimizer, lr_factor
 from liegroup_blr import predictive
 from liegroup_blr.mc import mc_step
 
@@ -132,6 +132,11 @@ def _optimizer(
         raise config_module.ConfigError(
             "parallel = 'fsdp' shards the parameters (DTensor), which ivon's optimizer and "
             "the vectorised samples (vectorize, batch_split) do not take: use parallel = 'data'"
+        )
+    if ocfg["name"] == "vi" and processes.world > 1:
+        raise config_module.ConfigError(
+            "optimizer 'vi' (posteriors' mean-field VI) trains in one process: run it without "
+            "torchrun"
         )
     if ocfg["name"] == "ivon" and cfg["parallel"] == "mc" and processes.world > 1:
         raise config_module.ConfigError(
@@ -272,10 +277,13 @@ def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
 
     With ``vectorize`` or ``batch_split > 1`` the samples go through
     :func:`liegroup_blr.mc.mc_step` (vmap over samples; each sample on its own slice of the
-    batch, the reference's ``batchsplit``), else through ``optimizer.step(closure)``.
+    batch, the reference's ``batchsplit``); a :class:`~experiments.optimizers.BatchOptimizer`
+    takes the minibatch itself; else through ``optimizer.step(closure)``.
     """
     ocfg = run.cfg["optimizer"]
     x, y = distributed.local_batch(x, y, run.cfg["parallel"], run.processes)
+    if isinstance(run.optimizer, BatchOptimizer):
+        return run.optimizer.step(batch=(run.model, x, y))
     if _vectorized(ocfg):
         assert isinstance(run.optimizer, lgb.optim.BLROptimizer)
         options = {"vectorize": ocfg["vectorize"], "batch_split": ocfg["batch_split"]}

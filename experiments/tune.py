@@ -21,7 +21,8 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,41 +32,50 @@ from experiments.train import DivergedError, train
 
 METRICS = ("nll", "accuracy", "ece", "brier")
 ESTIMATES = ("average", "point")
-HIGHER_IS_BETTER = {"accuracy"}
+HIGHER_IS_BETTER = {"accuracy", "final_accuracy"}
 
 
-def grid_points(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """The comparison config with one run ``LABEL.I`` per grid point, and label → the
-    optimizer values of each point (in the order of the product of the grid's lists)."""
-    runs = raw.get("runs")
+def grid_points(
+    raw: dict[str, Any], table: str = "runs", outer: Collection[str] = ()
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """The config with one entry ``LABEL.I`` of ``[table]`` per grid point, and label → the
+    values of each point (in the order of the product of the grid's lists). A grid key in
+    ``outer`` sets the entry's own key (a continual method's ``ewc_lambda``), any other its
+    optimizer's."""
+    runs = raw.get(table)
     if not isinstance(runs, dict) or not runs:
-        raise config_module.ConfigError("a tuning config needs [runs.LABEL] tables")
+        raise config_module.ConfigError(f"a tuning config needs [{table}.LABEL] tables")
     expanded, points = {}, {}
     for label, run in runs.items():
         grid = dict(run.get("grid", {}))
         if not all(isinstance(v, list) and v for v in grid.values()):
             raise config_module.ConfigError(
-                f"[runs.{label}.grid] must map optimizer keys to non-empty lists, got {grid}"
+                f"[{table}.{label}.grid] must map keys to non-empty lists, got {grid}"
             )
         base = {k: v for k, v in run.items() if k != "grid"}
         products = itertools.product(*grid.values())
         points[label] = [dict(zip(grid, values, strict=True)) for values in products]
         for i, point in enumerate(points[label]):
-            expanded[f"{label}.{i}"] = config_module.merge(base, {"optimizer": point})
-    shared = {k: v for k, v in raw.items() if k not in ("runs", "tune")}
-    return {**shared, "runs": expanded}, points
+            own = {k: v for k, v in point.items() if k in outer}
+            optimizer = {k: v for k, v in point.items() if k not in outer}
+            expanded[f"{label}.{i}"] = config_module.merge(base, {**own, "optimizer": optimizer})
+    shared = {k: v for k, v in raw.items() if k not in (table, "tune")}
+    return {**shared, table: expanded}, points
 
 
-def criterion(raw: dict[str, Any]) -> tuple[str, str]:
-    """(metric, estimate) of the ``[tune]`` table, checked."""
+def criterion(
+    raw: dict[str, Any], metrics: Sequence[str] = METRICS, default: str = "nll"
+) -> tuple[str, str]:
+    """(metric, estimate) of the ``[tune]`` table, checked: a metric of ``metrics``
+    (``default`` if not given) and an estimate of :data:`ESTIMATES`."""
     table = raw.get("tune", {})
     unknown = sorted(set(table) - {"metric", "estimate"})
     if unknown:
         raise config_module.ConfigError(
             f"unknown key(s) {unknown} in [tune]; valid keys: ['estimate', 'metric']"
         )
-    metric, estimate = table.get("metric", "nll"), table.get("estimate", "average")
-    for key, value, valid in (("metric", metric, METRICS), ("estimate", estimate, ESTIMATES)):
+    metric, estimate = table.get("metric", default), table.get("estimate", "average")
+    for key, value, valid in (("metric", metric, metrics), ("estimate", estimate, ESTIMATES)):
         if value not in valid:
             raise config_module.ConfigError(
                 f"unknown [tune].{key} {value!r}; valid choices: {list(valid)}"
@@ -89,33 +99,68 @@ def tune(
                 "the number of training examples to hold out"
             )
     compare.check_runs(configs)  # every point, before any trains
+    return run_grid(configs, points, out, resume, train, (metric, estimate))
+
+
+Runner = Callable[..., dict[str, Any]]
+"""Trains one run config into a folder (resuming or not) and returns its results."""
+
+
+def run_grid(
+    configs: dict[str, dict[int, dict[str, Any]]],
+    points: dict[str, list[dict[str, Any]]],
+    out: Path,
+    resume: bool,
+    runner: Runner,
+    by: tuple[str, str],
+    table: str = "optimizer",
+    write: Callable[[dict[str, Any], str, str], str] | None = None,
+) -> dict[str, Any]:
+    """Train every resolved grid point (``LABEL.I`` → seed → config) with ``runner`` into
+    ``out/LABEL.I/seedS``, choose per label by (metric, estimate) ``by`` (:func:`choose`),
+    and write ``config.json``, ``tuned.json`` and ``tuning.md`` (``write``, default
+    :func:`report`). The training runner (:func:`~experiments.train.train`) goes through
+    :func:`experiments.compare.train_all` (progress with the time left); any other trains
+    each point in turn."""
     written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
     with runfiles.locked(out):
-        compare.prepare_folder(out, written, resume)
-        outcomes = compare.train_all(configs, out, resume, trainer=_train_point)
-        results = choose(points, outcomes, configs, metric, estimate)
+        if runner is train:
+            compare.prepare_folder(out, written, resume)
+            outcomes = compare.train_all(configs, out, resume, trainer=partial(train_point, train))
+        else:
+            compare.check_folder(out, written, resume)
+            runfiles.remove_leftovers(out)
+            runfiles.write_json(out / "config.json", written)
+            outcomes = {
+                label: {
+                    str(s): train_point(runner, cfg, out / label / f"seed{s}", resume)
+                    for s, cfg in by_seed.items()
+                }
+                for label, by_seed in configs.items()
+            }
+        results = choose(points, outcomes, configs, *by, table)
         runfiles.write_json(out / "tuned.json", results)
-        runfiles.write_text(out / "tuning.md", report(results, metric, estimate) + "\n")
+        runfiles.write_text(out / "tuning.md", (write or report)(results, *by) + "\n")
     return results
 
 
-def _train_point(
-    cfg: dict[str, Any], folder: Path, resume: bool, **options: Any
+def train_point(
+    runner: Runner, cfg: dict[str, Any], folder: Path, resume: bool, **options: Any
 ) -> dict[str, Any] | None:
-    """The run's results (:func:`~experiments.train.train` with ``options``), or None if it
-    diverged."""
+    """The results of ``runner(cfg, folder, resume, **options)``, or None if it diverged."""
     try:
-        return train(cfg, folder, resume, **options)
+        return runner(cfg, folder, resume, **options)
     except DivergedError as err:
         print(f"== {folder} diverged: {err}", flush=True)
         return None
 
 
 def score(runs: Sequence[dict[str, Any] | None], metric: str, estimate: str) -> float | None:
-    """Mean of ``metric`` at ``estimate`` over the seeds; None if any seed diverged."""
+    """Mean of ``metric`` at ``estimate`` (at the point estimate for a run without that
+    estimate) over the seeds; None if any seed diverged."""
     if any(r is None for r in runs):
         return None
-    return statistics.fmean(r[estimate][metric] for r in runs if r is not None)
+    return statistics.fmean(r.get(estimate, r["point"])[metric] for r in runs if r is not None)
 
 
 def choose(
@@ -124,8 +169,10 @@ def choose(
     configs: dict[str, dict[int, dict[str, Any]]],
     metric: str,
     estimate: str,
+    table: str = "optimizer",
 ) -> dict[str, Any]:
-    """Per label the point with the best mean ``metric`` (lowest, highest for accuracy)."""
+    """Per label the point with the best mean ``metric`` (lowest, highest for an accuracy)
+    and its resolved ``table`` (the optimizer's, or a continual method's)."""
     sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
     chosen: dict[str, Any] = {}
     for label, values in points.items():
@@ -137,8 +184,8 @@ def choose(
         if not finite:
             raise runfiles.RunError(f"every grid point of run {label!r} diverged")
         best = min(finite, key=lambda i: sign * rows[i]["score"])
-        optimizer = next(iter(configs[f"{label}.{best}"].values()))["optimizer"]
-        chosen[label] = {"chosen": best, "optimizer": optimizer, "points": rows}
+        resolved = next(iter(configs[f"{label}.{best}"].values()))[table]
+        chosen[label] = {"chosen": best, table: resolved, "points": rows}
     return chosen
 
 
@@ -187,13 +234,14 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
     return "\n".join(lines)
 
 
-def _show(results: dict[str, Any], out: Path) -> None:
+def show(results: dict[str, Any], out: Path) -> None:
+    """Print a tuning's report and where it is."""
     print((out / "tuning.md").read_text())
     print(f"tuning in {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.tune", __doc__, tune, _show, argv, compare.parse_seeds)
+    return cli.run("python -m experiments.tune", __doc__, tune, show, argv, compare.parse_seeds)
 
 
 if __name__ == "__main__":

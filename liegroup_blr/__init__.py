@@ -22,6 +22,7 @@ from . import (
     sharding,
 )
 from .mc import mc_step
+from .memorable import MemorablePast
 from .memory import MemoryMap, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
@@ -30,6 +31,7 @@ __all__ = [
     "AdditiveBLR",
     "AffineBLR",
     "LieGroupBLR",
+    "MemorablePast",
     "MemoryMap",
     "MultiplicativeBLR",
     "Posterior",

@@ -9,15 +9,20 @@ logits :math:`f_i` by about
 
 (:math:`J_i` the Jacobian of the logits, :math:`e_i = p_i - y_i` for a softmax likelihood), and
 its probabilities by :math:`\Lambda_i V_i e_i` with :math:`\Lambda_i = \operatorname{diag}(p_i)
-- p_i p_i^\top`. The paper's score keeps the diagonals, :math:`v_i = \operatorname{diag} V_i`
-and :math:`\lambda_i = p_i - p_i^2`:
+- p_i p_i^\top`. The scores keep the diagonals, :math:`v_i = \operatorname{diag} V_i` (the
+prediction variance) and :math:`\lambda_i = p_i - p_i^2`: by default the change of the logits,
+prediction error times prediction variance,
 
-.. math:: s_i = \sum_k |e_{ik}\, \lambda_{ik}\, v_{ik}| .
+.. math:: s_i = \sum_k |v_{ik}\, e_{ik}| ,
+
+or (``change="probabilities"``) the paper's change of the probabilities,
+:math:`\sum_k |e_{ik}\lambda_{ik}v_{ik}|`, which vanishes where the softmax saturates.
 
 The prediction variance :math:`v_i` comes from the Jacobian form or from posterior samples
 (:data:`METHODS`). A rule trained at temperature :math:`\tau` learns about :math:`\tau` times
 the posterior covariance; the equation needs the untempered one, so :math:`V_i` is divided by
-:math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why.
+:math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why, and how
+the scores compare with leave-one-out retraining.
 """
 
 from __future__ import annotations
@@ -35,13 +40,18 @@ from torch.func import functional_call, vjp, vmap
 from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
 from .posterior import Posterior, PosteriorEntry, holder
 
-__all__ = ["METHODS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
+__all__ = ["METHODS", "REGIONS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
 
 METHODS = ("auto", "jacobian", "samples")
 """Estimates of the prediction variance. ``"jacobian"`` (:math:`\\operatorname{diag}
 J\\Sigma J^\\top` at the posterior mean, for the additive, diagonal affine and multiplicative
 groups), ``"samples"`` (the sample variance of the logits, any group), ``"auto"`` (the
 Jacobian form for the additive and diagonal affine groups, else samples)."""
+
+REGIONS = ("regular", "unpredictable", "uncertain")
+"""The regions of a memory map (:meth:`MemoryMap.regions`), by index: ``"regular"`` (small
+prediction error and variance), ``"unpredictable"`` (large error, small variance: the model
+is sure and wrong), ``"uncertain"`` (large variance, whatever the error)."""
 
 LIKELIHOODS = ("categorical", "gaussian")
 CHANGES = ("probabilities", "logits")
@@ -54,11 +64,11 @@ class MemoryMap:
 
     Attributes:
         scores: ``[n]``, the estimated change of each example's prediction if it were
-            removed from training: :math:`\\sum_k |e_{ik}\\lambda_{ik}v_{ik}|` for a
-            categorical likelihood (the L1 change of its probabilities), :math:`\\sum_k
-            |v_{ik}e_{ik}|` for a Gaussian one (of its predicted mean) or with
-            ``change="logits"`` (of its logits); with ``cross_class`` the L1 norm of
-            :math:`\\Lambda_i V_i e_i` (of :math:`V_i e_i`).
+            removed from training: :math:`\\sum_k |v_{ik}e_{ik}|`, the L1 change of its
+            logits (of its predicted mean for a Gaussian likelihood), or with
+            ``change="probabilities"`` :math:`\\sum_k |e_{ik}\\lambda_{ik}v_{ik}|`, of its
+            probabilities; with ``cross_class`` the L1 norm of :math:`V_i e_i` (of
+            :math:`\\Lambda_i V_i e_i`).
         variances: ``[n, K]`` prediction variances :math:`v_i` of the logits (untempered:
             divided by τ), or ``[n, K, K]`` covariances :math:`V_i` with ``cross_class``.
         residuals: ``[n, K]`` :math:`e_i = \\nabla_f \\ell_i`: :math:`p_i - y_i`, or
@@ -74,6 +84,35 @@ class MemoryMap:
     predictions: Tensor
     method: str
 
+    @property
+    def prediction_error(self) -> Tensor:
+        r"""``[n]`` the size of each residual, :math:`\|e_i\|_1`: the map's horizontal axis.
+        With one-hot labels it is :math:`2(1 - p_{i,y_i})`, so 1 is where the label gets
+        half the probability."""
+        return self.residuals.abs().sum(-1)
+
+    @property
+    def total_variance(self) -> Tensor:
+        r"""``[n]`` the total prediction variance :math:`\operatorname{tr} V_i = \sum_k
+        v_{ik}`: the map's vertical axis."""
+        v = self.variances
+        return (v.diagonal(dim1=-2, dim2=-1) if v.ndim == 3 else v).sum(-1)
+
+    def regions(self, error_threshold: float = 1.0, variance_quantile: float = 0.9) -> Tensor:
+        """``[n]`` each example's region, an index into :data:`REGIONS`: ``"uncertain"`` where
+        :attr:`total_variance` exceeds its ``variance_quantile`` over the map's examples,
+        else ``"unpredictable"`` where :attr:`prediction_error` exceeds ``error_threshold``
+        (default 1: the label gets less than half the probability), else ``"regular"``."""
+        if not 0 < variance_quantile < 1:
+            raise ValueError(f"variance_quantile: must lie in (0, 1), got {variance_quantile!r}")
+        if not error_threshold > 0:
+            raise ValueError(f"error_threshold: must be > 0, got {error_threshold!r}")
+        variance = self.total_variance.double()
+        uncertain = variance > torch.quantile(variance, variance_quantile)
+        unpredictable = self.prediction_error > error_threshold
+        region = torch.where(unpredictable, REGIONS.index("unpredictable"), 0)
+        return torch.where(uncertain, REGIONS.index("uncertain"), region)
+
 
 # ------------------------------------------------------------------------ public
 def sensitivity(
@@ -88,12 +127,13 @@ def sensitivity(
     temperature: float | None = None,
     method: str = "auto",
     cross_class: bool = False,
-    change: str = "probabilities",
+    change: str = "logits",
     likelihood: str = "categorical",
     noise_variance: float = 1.0,
 ) -> Tensor:
-    r"""Memory-map scores: per example, the estimated change of its predicted probabilities if
-    it were removed from training, :math:`\sum_k |e_{ik}\lambda_{ik}v_{ik}|` (a tensor ``[n]``).
+    r"""Memory-map scores: per example, the estimated change of its logits if it were removed
+    from training, :math:`\sum_k |v_{ik}e_{ik}|`: prediction variance times prediction error
+    (a tensor ``[n]``; ``change="probabilities"`` for the change of its probabilities).
 
     The scores of :func:`memory_map`, which takes the same arguments and also returns the
     prediction variances and residuals they are built from.
@@ -127,7 +167,7 @@ def memory_map(
     temperature: float | None = None,
     method: str = "auto",
     cross_class: bool = False,
-    change: str = "probabilities",
+    change: str = "logits",
     likelihood: str = "categorical",
     noise_variance: float = 1.0,
 ) -> MemoryMap:
@@ -161,12 +201,14 @@ def memory_map(
             it, magnitudes do.
         method: ``"jacobian"``, ``"samples"`` or ``"auto"``: the Jacobian form where every
             entry is additive or diagonal affine with a finite-variance base, else samples.
-        cross_class: keep the cross-class terms: :math:`\|\Lambda_i V_i e_i\|_1` with the
-            full :math:`V_i` and :math:`\Lambda_i` instead of the paper's diagonal score.
-        change: what the score measures: ``"probabilities"`` (the paper's score, through
-            λ = p − p², which vanishes where the softmax saturates) or ``"logits"``
-            (:math:`\sum_k |v_{ik}e_{ik}|`, the estimated change of the logits themselves).
-            For a Gaussian likelihood the prediction is the mean f and both are
+        cross_class: keep the cross-class terms: :math:`\|V_i e_i\|_1` (or
+            :math:`\|\Lambda_i V_i e_i\|_1`) with the full :math:`V_i` and :math:`\Lambda_i`
+            instead of their diagonals.
+        change: what the score measures: ``"logits"`` (the default,
+            :math:`\sum_k |v_{ik}e_{ik}|`, the estimated change of the logits) or
+            ``"probabilities"`` (the paper's score, through λ = p − p², which vanishes where
+            the softmax saturates: a confidently misclassified example scores about 0). For
+            a Gaussian likelihood the prediction is the mean f and both are
             :math:`\sum_k |v_{ik}e_{ik}|`.
         likelihood: ``"categorical"`` (softmax over the last output axis) or ``"gaussian"``
             (loss :math:`(f - y)^2/2\sigma^2`).

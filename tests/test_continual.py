@@ -4,6 +4,7 @@ baseline on a case with a closed form, the task streams, and short runs of the d
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -16,14 +17,17 @@ import torch
 from torch import nn
 
 import liegroup_blr as lgb
-from experiments import continual, continual_report, figures
+from experiments import continual, continual_report, continual_tune, figures, tune
 from experiments.config import ConfigError, load
 from experiments.data import Dataset, load_dataset
 from experiments.ewc import OnlineEWC, diagonal_fisher
 from experiments.streams import build_stream, column_mask, permutations, permuted, split
+from experiments.train import DivergedError
 
 CONFIGS = Path(__file__).parents[1] / "experiments" / "configs"
 SMOKE = CONFIGS / "continual_smoke.toml"
+ADAM = {"optimizer": {"name": "adam", "lr": 1e-3}}
+AFFINE = {"optimizer": {"name": "affine", "lr": 0.05, "scale_lr": 1.0}}
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -295,13 +299,11 @@ class Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize("strategy", ["ewc", "joint", "posterior"])
+@pytest.mark.parametrize("label", ["ewc", "joint", "affine", "affine_memory"])
 @pytest.mark.parametrize("where", ["mid-task", "before the boundary"])
 def test_resume_after_an_interruption_reaches_the_uninterrupted_result(
-    strategy: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    label: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    raw = load(SMOKE)
-    label = next(k for k, v in raw["methods"].items() if v["strategy"] == strategy)
     cfg = continual.resolve(smoke(train={"epochs": 2}), label, 0)
     full = continual.run(cfg, tmp_path / "full")
 
@@ -341,6 +343,8 @@ def test_resume_after_an_interruption_reaches_the_uninterrupted_result(
     b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
+    if a["memory"] is not None:
+        assert torch.equal(a["memory"]["inputs"], b["memory"]["inputs"])
     with pytest.raises(ConfigError, match="config differs"):
         continual.run({**cfg, "seed": 5}, tmp_path / "resumed", resume=True)
 
@@ -370,6 +374,150 @@ def test_the_posterior_of_a_rule_is_saved_and_becomes_the_prior(tmp_path: Path) 
     assert learner.optimizer.param_groups[0]["prior_precision"] == 0.0
 
 
+def test_the_prior_removed_keeps_the_first_task_s_regularisers(tmp_path: Path) -> None:
+    """prior = "initial": after the boundary no prior is set and the param groups hold the
+    configured δ again; the default carries the posterior over (the optimizer's state dict
+    holds a prior)."""
+    raw = smoke()
+    raw["methods"]["initial"] = {**raw["methods"]["affine"], "prior": "initial"}
+    for label, has_prior in (("affine", True), ("initial", False)):
+        cfg = continual.resolve(raw, label, 0)
+        continual.run(cfg, tmp_path / label)
+        state = torch.load(tmp_path / label / "checkpoint.pt", weights_only=True)["optimizer"]
+        assert ("prior" in state) is has_prior
+        delta = 0.0 if has_prior else cfg["method"]["optimizer"]["prior_precision"]
+        assert state["param_groups"][0]["prior_precision"] == delta == (0.0 if has_prior else 100.0)
+        assert state["param_groups"][0]["data_size"] == 800  # the second task's
+
+
+def test_a_memory_keeps_examples_of_every_finished_task_on_its_head(tmp_path: Path) -> None:
+    raw = smoke(stream={"tasks": 3})
+    cfg = continual.resolve(raw, "affine_memory", 0)
+    continual.run(cfg, tmp_path)
+    memory = lgb.MemorablePast.load(tmp_path / continual.MEMORY)
+    assert (memory.per_task, memory.selection, memory.num_tasks) == (20, "sensitivity", 2)
+    assert memory.tasks.tolist() == [0] * 20 + [1] * 20
+    tasks = continual.build(cfg).tasks
+    for t in (0, 1):
+        kept = memory.inputs[memory.tasks == t].flatten(1)
+        train = tasks[t].train_x.flatten(1)
+        rows = (kept[:, None] == train[None]).all(-1).int().argmax(1)
+        assert torch.equal(train[rows], kept)  # task t's own training examples
+        labels = tasks[t].train_y[rows] - 2 * t  # digit 2t + c is class c of the head
+        assert torch.equal(memory.targets[memory.tasks == t], labels)
+        scores = memory.scores[memory.tasks == t]
+        assert torch.all(scores[:-1] >= scores[1:])  # the highest first
+
+
+def test_replaying_the_memory_keeps_the_first_task(tmp_path: Path) -> None:
+    """Class-incremental digits (one head): with a weak replay task 2 overwrites task 1; a
+    strong one keeps the memory fitted (a smaller replay loss at the end) and with it task 1,
+    from the same first task and data order."""
+    raw = smoke(stream={"heads": "single"})
+    memory = raw["methods"]["affine_memory"]
+    raw["methods"] = {
+        "weak": {**memory, "memory_strength": 1e-3},
+        "strong": {**memory, "memory_strength": 10.0},
+    }
+    matrices, replay = {}, {}
+    for label in raw["methods"]:
+        cfg = continual.resolve(raw, label, 0)
+        matrices[label] = continual.run(cfg, tmp_path / label)["point"]["matrix"]
+        learner = continual.build(cfg)
+        learner.model.load_state_dict(torch.load(tmp_path / label / "checkpoint.pt")["model"])
+        kept = lgb.MemorablePast.load(tmp_path / label / continual.MEMORY)
+        with torch.no_grad():
+            replay[label] = kept.loss(learner.model(kept.inputs)).item()
+    weak, strong = matrices["weak"], matrices["strong"]
+    assert weak[0][0] == strong[0][0]  # the same first task
+    assert replay["strong"] < replay["weak"] / 2
+    assert strong[0][1] > weak[0][1] + 0.2
+
+
+def test_a_validation_run_never_reads_the_test_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the test images made NaN, a run on the test set fails on its first NaN metric (as
+    diverged, nothing non-finite written); a run with [stream] validation finishes: it
+    evaluates on held-out training examples."""
+    real = continual._dataset
+
+    def poisoned(name: str, root: str) -> Dataset:
+        data = real(name, root)
+        return dataclasses.replace(data, test_x=torch.full(data.test_x.shape, math.nan))
+
+    monkeypatch.setattr(continual, "_dataset", poisoned)
+    with pytest.raises(DivergedError, match="non-finite metrics"):
+        continual.run(continual.resolve(smoke(), "finetune", 0), tmp_path / "test")
+    raw = smoke(stream={"validation": 1000})
+    results = continual.run(continual.resolve(raw, "affine_memory", 0), tmp_path / "held")
+    assert results["eval_set"] == "validation"
+    digits = load_dataset("mnist5k").train_y
+    assert sum(results["train_sizes"]) + sum(results["test_sizes"]) == int((digits < 4).sum())
+    assert 300 < sum(results["test_sizes"]) < 500  # about 4/10 of the 1,000 held out
+
+
+# ---------------------------------------------------------------------------- tuning
+def tuning_config() -> dict[str, Any]:
+    """The smoke stream on a validation split, a grid for EWC and one for the rule."""
+    raw = smoke(stream={"validation": 1000})
+    methods = raw["methods"]
+    raw["methods"] = {
+        "finetune": methods["finetune"],
+        "ewc": {**methods["ewc"], "grid": {"ewc_lambda": [1.0, 1e4]}},
+        "affine": {**methods["affine"], "grid": {"lr": [0.05, 1e-4], "temperature": [0.1, 1.0]}},
+    }
+    return raw
+
+
+def test_tuning_trains_every_point_on_the_validation_split_and_chooses_the_best(
+    tmp_path: Path,
+) -> None:
+    results = continual_tune.continual_tune(tuning_config(), tmp_path)
+    assert [p["values"] for p in results["affine"]["points"]] == [
+        {"lr": 0.05, "temperature": 0.1},
+        {"lr": 0.05, "temperature": 1.0},
+        {"lr": 1e-4, "temperature": 0.1},
+        {"lr": 1e-4, "temperature": 1.0},
+    ]
+    for label, res in results.items():
+        scores = []
+        for i, point in enumerate(res["points"]):
+            run = json.loads((tmp_path / f"{label}.{i}" / "seed0" / "results.json").read_text())
+            assert run["eval_set"] == "validation"
+            estimate = "average" if "average" in run else "point"
+            assert point["score"] == pytest.approx(run[estimate]["final_accuracy"])
+            scores.append(point["score"])
+        assert res["points"][res["chosen"]]["score"] == max(scores)
+        chosen = res["points"][res["chosen"]]["values"]
+        method = {**res["method"], **res["method"]["optimizer"]}
+        assert {k: method[k] for k in chosen} == chosen
+    assert results["ewc"]["method"]["ewc_lambda"] in (1.0, 1e4)
+    assert results["affine"]["method"]["optimizer"]["lr"] == 0.05  # 1e-4 learns nothing
+    written = json.loads((tmp_path / "tuned.json").read_text())
+    assert written["affine"]["method"] == results["affine"]["method"]
+    assert (tmp_path / "tuning.md").read_text().count("| ← |") == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"stream": {"validation": 0}}, r"must not see the test set; set \[stream\] validation"),
+        ({"tune": {"metric": "ece"}}, r"unknown \[tune\].metric 'ece'"),
+        ({"methods": {"x": {"strategy": "finetune", "grid": {"lr": 0.1}}}}, "lists"),
+    ],
+)
+def test_bad_tuning_configs_are_clear_errors(
+    change: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    raw = tuning_config()
+    for key, value in change.items():
+        raw[key] = {**raw[key], **value} if key in raw else value
+    with pytest.raises(ConfigError, match=message):
+        continual_tune.continual_tune(raw, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -393,6 +541,21 @@ def test_the_posterior_of_a_rule_is_saved_and_becomes_the_prior(tmp_path: Path) 
         ({"methods": {"../x": {"strategy": "finetune"}}}, "plain folder name"),
         ({"methods": {}}, "at least one"),
         ({"epochs": 3}, "unknown top-level"),
+        ({"stream": {"validation": -1}}, r"\[stream\].validation must be >= 0"),
+        ({"threads": -1}, "threads must be >= 0"),
+        (
+            {"methods": {"x": {"strategy": "posterior", "prior": "none", **AFFINE}}},
+            "unknown 'none'",
+        ),
+        (
+            {"methods": {"x": {"strategy": "posterior", "memory_selection": "loss", **AFFINE}}},
+            "memory_selection: unknown 'loss'",
+        ),
+        (
+            {"methods": {"x": {"strategy": "posterior", "memory_strength": 0.0, **AFFINE}}},
+            "memory_strength must be > 0",
+        ),
+        ({"methods": {"x": {"strategy": "finetune", "memory": 5, **ADAM}}}, "'memory'"),
     ],
 )
 def test_bad_configs_are_one_line_errors(change: dict[str, Any], message: str) -> None:
@@ -409,10 +572,38 @@ def test_a_batch_larger_than_a_task_is_refused_before_anything_is_written(tmp_pa
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("continual_*.toml")), ids=lambda p: p.stem)
 def test_shipped_continual_configs_resolve(path: Path) -> None:
-    runs = continual.run_configs(load(path))
+    raw = load(path)
+    tuning = "tune" in raw
+    if tuning:  # one run per grid point, on a validation split
+        raw, points = tune.grid_points(raw, "methods", continual_tune.METHOD_KEYS)
+        assert all(points.values())
+    runs = continual.run_configs(raw)
     strategies = {next(iter(by_seed.values()))["method"]["strategy"] for by_seed in runs.values()}
-    assert strategies == {"finetune", "ewc", "joint", "posterior"}
+    assert strategies >= {"finetune", "ewc", "posterior"}
+    assert ("joint" in strategies) is not tuning
     for by_seed in runs.values():
         for cfg in by_seed.values():
             assert not Path(cfg["stream"]["root"]).is_absolute()
+            assert (cfg["stream"]["validation"] > 0) is tuning
             assert math.isfinite(cfg["train"]["epochs"])
+
+
+def test_non_finite_metrics_after_a_task_stop_the_run_as_diverged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task whose model average scores NaN (a diverged posterior whose steps were all
+    skipped) ends the run as diverged, so a tuning grid counts the point as such, and no
+    non-finite row is written."""
+    metrics = continual._metrics
+
+    def nan_nll(learner: Any, log_probs: list[torch.Tensor], t: int) -> dict[str, Any]:
+        m = metrics(learner, log_probs, t)
+        m["nll"][0] = math.nan
+        return m
+
+    monkeypatch.setattr(continual, "_metrics", nan_nll)
+    cfg = continual.resolve(smoke(), "finetune", 0)
+    with pytest.raises(DivergedError, match=r"non-finite metrics \['point.nll.0'"):
+        continual.run(cfg, tmp_path / "run")
+    assert read_rows(tmp_path / "run") == []  # the failed task's row is not written
+    assert tune.train_point(continual.run, cfg, tmp_path / "again", False) is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 from matplotlib import image as mpimg
 
-from experiments import compare, figures, memory_map, train, tune
+from experiments import compare, figures, memory_map, peers, train, tune
 from experiments.config import ConfigError, load, resolve, split_runs
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -149,14 +149,9 @@ class Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize("optimizer", ["multiplicative", "affine", "ivon"])
-def test_resume_reaches_the_uninterrupted_result(
-    optimizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    cfg = tiny_config("mlp", optimizer, data={"augment": True}, schedule={"epochs": 3})
-    full = train.train(cfg, tmp_path / "full")
-
-    # crash after the second epoch has trained but before its checkpoint is written
+def train_interrupted(cfg: dict[str, Any], out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train ``cfg`` into ``out`` and crash after the second epoch has trained but before its
+    checkpoint is written."""
     real_epoch = train.train_epoch
 
     def crashing_epoch(run: train.Run, epoch: int) -> float:
@@ -167,9 +162,18 @@ def test_resume_reaches_the_uninterrupted_result(
 
     monkeypatch.setattr(train, "train_epoch", crashing_epoch)
     with pytest.raises(Interrupt):
-        train.train(cfg, tmp_path / "resumed")
-    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["epoch"] == 1
+        train.train(cfg, out)
     monkeypatch.setattr(train, "train_epoch", real_epoch)
+
+
+@pytest.mark.parametrize("optimizer", ["multiplicative", "affine", "ivon"])
+def test_resume_reaches_the_uninterrupted_result(
+    optimizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tiny_config("mlp", optimizer, data={"augment": True}, schedule={"epochs": 3})
+    full = train.train(cfg, tmp_path / "full")
+    train_interrupted(cfg, tmp_path / "resumed", monkeypatch)
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["epoch"] == 1
     with pytest.raises(FileExistsError, match="--resume"):
         train.train(cfg, tmp_path / "resumed")
     resumed = train.train(cfg, tmp_path / "resumed", resume=True)
@@ -375,6 +379,9 @@ def test_shipped_configs_resolve(path: Path) -> None:
     if "memory" in raw:  # a memory-map validation: comparison runs and a [memory] table
         runs, memory = memory_map.resolve(raw)
         assert memory["retrain_epochs"]
+    elif "laplace" in raw:  # the peers: comparison runs and Laplace fits on some of them
+        runs, laplace = peers.resolve(raw)
+        assert laplace["fits"]
     else:
         runs = compare.run_configs(raw)
     assert runs

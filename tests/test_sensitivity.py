@@ -272,8 +272,9 @@ def _affine_posterior(model: nn.Module, scale: float = 0.1) -> Posterior:
 @pytest.mark.parametrize("method", ["jacobian", "samples"])
 def test_an_example_fitted_with_certainty_scores_zero(method):
     """Residual 0 at the label: score 0 whatever the variance. Against the label with a
-    saturated softmax, λ = p − p² = 0 and the score is 0 as well (the probabilities do not
-    move to first order); unsaturated, a misfit example scores above 0."""
+    saturated softmax, λ = p − p² = 0 and the probability score is 0 as well (the
+    probabilities do not move to first order) while the logit score (the default) is not;
+    unsaturated, a misfit example scores above 0 with either."""
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     model, x, y = _classifier(2000.0)
     post = _affine_posterior(model)
@@ -282,19 +283,22 @@ def test_an_example_fitted_with_certainty_scores_zero(method):
     assert torch.equal(mm.residuals, torch.zeros(3, 3, dtype=F64))
     assert bool((mm.variances > 0).all())  # not for want of variance: the residual is 0
     others = torch.tensor([1, 1, 1])
-    saturated = memory_map(model, post, x, others, method=method, generator=gen())
+    saturated = memory_map(
+        model, post, x, others, method=method, generator=gen(), change="probabilities"
+    )
     assert torch.equal(saturated.scores, torch.zeros(3, dtype=F64))
     assert bool((saturated.residuals[[0, 2]].abs().sum(1) == 2).all())
-    logits = memory_map(model, post, x, others, method=method, generator=gen(), change="logits")
+    logits = memory_map(model, post, x, others, method=method, generator=gen())  # the default
     torch.testing.assert_close(
         logits.scores, (logits.variances * logits.residuals).abs().sum(1), rtol=1e-12, atol=0
     )
     assert bool((logits.scores[[0, 2]] > 0).all())  # the logits would move
     model, x, y = _classifier(2.0)
     post = _affine_posterior(model)
-    wrong = memory_map(model, post, x, others, method=method, generator=gen())
-    right = memory_map(model, post, x, y, method=method, generator=gen())
-    assert bool((wrong.scores[[0, 2]] > 3 * right.scores[[0, 2]]).all())
+    for change in ("probabilities", "logits"):
+        wrong = memory_map(model, post, x, others, method=method, generator=gen(), change=change)
+        right = memory_map(model, post, x, y, method=method, generator=gen(), change=change)
+        assert bool((wrong.scores[[0, 2]] > 3 * right.scores[[0, 2]]).all())
 
 
 def test_a_posterior_without_variance_scores_zero():
@@ -473,3 +477,86 @@ def test_jacobian_form_refuses_what_gives_no_diagonal_covariance():
     with pytest.raises(ValueError, match=r"^method: .*FullAffineGroup"):
         lgb.sensitivity(model, full, x, y, method="jacobian")
     assert lgb.sensitivity(model, full, x, y, samples=4).shape == (4,)
+
+
+def _flipped_and_ambiguous(margin: float = 8.0) -> tuple[nn.Module, Tensor, Tensor]:
+    """A linear classifier (``_classifier``) on 30 unit-norm inputs: 24 one-hot inputs with
+    their class as label, 3 one-hot inputs with a flipped label (indices 0, 1, 2: the model is
+    sure and wrong), and 3 inputs halfway between two classes (indices 3, 4, 5: p ≈ ½ at the
+    label). Every input has norm 1, so under a posterior of equal spread s² every logit has
+    the same variance s² and the scores differ by the residuals alone."""
+    model, eye, _ = _classifier(margin)
+    classes = torch.arange(24) % 3
+    halfway = (eye + eye.roll(1, 0)) / math.sqrt(2)  # between classes c and c − 1
+    x = torch.cat([eye, halfway, eye[classes]])
+    y = torch.cat([(torch.arange(3) + 1) % 3, torch.arange(3), classes])
+    return model, x, y
+
+
+@pytest.mark.parametrize("method", ["jacobian", "samples"])
+@pytest.mark.parametrize("cross_class", [False, True])
+def test_the_logit_score_puts_flipped_labels_first_the_probability_score_does_not(
+    method, cross_class
+):
+    """Flipped: ‖e‖₁ ≈ 2 but λ ≈ 0 (saturated). Halfway: ‖e‖₁ ≈ 1 and λ ≈ ¼. So the change
+    of the logits (≈ s²‖e‖₁) ranks the 3 flipped labels highest, and the change of the
+    probabilities ranks the 3 halfway examples highest, the flipped ones below them."""
+    model, x, y = _flipped_and_ambiguous()
+    post = _affine_posterior(model, scale=0.1)
+
+    def top3(change: str) -> set[int]:
+        mm = memory_map(
+            model,
+            post,
+            x,
+            y,
+            method=method,
+            cross_class=cross_class,
+            change=change,
+            samples=400,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return set(mm.scores.argsort(descending=True)[:3].tolist())
+
+    assert top3("logits") == {0, 1, 2}
+    assert top3("probabilities") == {3, 4, 5}
+
+
+def test_regions_on_constructed_errors_and_variances():
+    """Ten two-class examples with residual sizes ‖e‖₁ = 2a and total variances chosen: the
+    0.9-quantile of nine 1s and one 10 is 1.9, so only the last is uncertain (its error
+    does not matter); of the rest, those with ‖e‖₁ > 1 are unpredictable."""
+    error = torch.tensor([0.1, 0.2, 1.5, 1.8, 0.3, 1.9, 0.1, 0.2, 0.4, 1.9], dtype=F64)
+    a = error[:, None] / 2
+    total = torch.tensor([1.0] * 9 + [10.0], dtype=F64)
+    mm = lgb.MemoryMap(
+        scores=torch.zeros(10, dtype=F64),
+        variances=total[:, None].expand(10, 2) / 2,
+        residuals=torch.cat([-a, a], 1),
+        predictions=torch.full((10, 2), 0.5, dtype=F64),
+        method="jacobian",
+    )
+    torch.testing.assert_close(mm.prediction_error, error, rtol=1e-15, atol=0)
+    torch.testing.assert_close(mm.total_variance, total, rtol=1e-15, atol=0)
+    named = [lgb.memory.REGIONS[r] for r in mm.regions().tolist()]
+    regular, unpredictable, uncertain = "regular", "unpredictable", "uncertain"
+    assert named[:5] == [regular, regular, unpredictable, unpredictable, regular]
+    assert named[5:] == [unpredictable, regular, regular, regular, uncertain]
+    lower = [lgb.memory.REGIONS[r] for r in mm.regions(error_threshold=0.35).tolist()]
+    assert [i for i, r in enumerate(lower) if r == unpredictable] == [2, 3, 5, 8]
+    assert (mm.regions(variance_quantile=0.5) == 2).tolist() == [False] * 9 + [True]
+    full = lgb.MemoryMap(  # covariances [n, K, K]: the total variance is their trace
+        mm.scores, torch.diag_embed(mm.variances) + 0.3, mm.residuals, mm.predictions, "jacobian"
+    )
+    torch.testing.assert_close(full.total_variance, total + 0.6, rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="variance_quantile"):
+        mm.regions(variance_quantile=1.0)
+    with pytest.raises(ValueError, match="error_threshold"):
+        mm.regions(error_threshold=0.0)
+
+
+def test_a_categorical_prediction_error_is_twice_the_probability_missing_at_the_label():
+    model, x, y = _flipped_and_ambiguous(margin=2.0)
+    mm = memory_map(model, _affine_posterior(model), x, y)
+    p_label = mm.predictions.gather(1, y[:, None])[:, 0]
+    torch.testing.assert_close(mm.prediction_error, 2 * (1 - p_label), rtol=1e-12, atol=0)
