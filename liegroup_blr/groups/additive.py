@@ -45,7 +45,7 @@ class AdditiveGroup(LieGroup):
     def from_point(self, theta: Tensor) -> Tensor:
         return theta.detach().clone()
 
-    def point(self, g: Tensor, mean: float | None = None) -> Tensor:
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
         """m, or m + E[ξ]."""
         return g.clone() if mean is None else g + mean
 

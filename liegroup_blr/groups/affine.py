@@ -75,7 +75,7 @@ class DiagonalAffineGroup(LieGroup):
         """A ⊙ ξ + b as one fused multiply-add."""
         return torch.addcmul(g[1], g[0], xi)
 
-    def point(self, g: Tensor, mean: float | None = None) -> Tensor:
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
         """b, or b + E[ξ]·A as one fused add."""
         return g[1].clone() if mean is None else torch.add(g[1], g[0], alpha=mean)
 

@@ -124,16 +124,17 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         optimizer's samples bit for bit."""
         return self.readout(self.act(g, xi))
 
-    def point(self, g: Tensor, mean: float | None = None) -> Tensor:
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
         """The point estimate the optimizers write: readout(g · ξ₀) at the reference point
         (``mean=None``, "at g"), or at E[ξ] = ``mean`` in every coordinate (the posterior
-        mean); the arithmetic shared as :meth:`theta`'s."""
-        shape = self.param_shape(g.shape)
+        mean); the arithmetic shared as :meth:`theta`'s. ``shape`` is the parameter's
+        (default :meth:`param_shape` of ``g``'s)."""
+        shape = self.param_shape(g.shape) if shape is None else shape
         if mean is None:
-            return self.point_estimate(g)
-        return self.theta(
-            g, torch.full(self.base_shape(shape), mean, dtype=g.dtype, device=g.device)
-        )
+            xi0 = self.reference_point(shape, dtype=g.dtype, device=g.device)
+        else:
+            xi0 = torch.full(self.base_shape(shape), mean, dtype=g.dtype, device=g.device)
+        return self.theta(g, xi0)
 
     def from_point(self, theta: Tensor) -> Tensor:
         """An element whose point estimate is ``theta`` (used to initialise from a network)."""

@@ -132,7 +132,7 @@ class BLROptimizer(Optimizer):
         self.mc_samples = mc_samples
         self.point_convention = point_estimate
         self.between_steps = between_steps
-        self.holding: Holding = holding(between_steps)
+        self._holding: Holding = holding(between_steps)
         self.compile = bool(compile)
         self.process_group = process_group
         self.grad_scaler = grad_scaler
@@ -151,7 +151,7 @@ class BLROptimizer(Optimizer):
         self._fresh_gradients()  # gradients from before construction are nobody's sample
         if prior is not None:
             self.set_prior(prior)
-        self.holding.between_steps(self)
+        self._holding.between_steps(self)
         self._mark_writes()
 
     # ------------------------------------------------------------ the rule's part
@@ -239,6 +239,12 @@ class BLROptimizer(Optimizer):
             point_estimate=self.point_convention,
         )
 
+    @property
+    def holds_samples(self) -> bool:
+        """Whether the parameters hold a posterior sample between steps
+        (``between_steps="sample"``) rather than the point estimate."""
+        return self._holding.samples
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, validate its hyperparameters and initialise the state of its
         trained parameters (a parameter frozen now gets its state when first trained); with
@@ -263,8 +269,8 @@ class BLROptimizer(Optimizer):
         trained = [p for p in group["params"] if p.requires_grad]
         if trained:
             self._init_states(group, trained)
-        if self.holding.resident is not None:  # the new parameters join the held sample
-            self.holding.between_steps(self)
+        if self._holding.resident is not None:  # the new parameters join the held sample
+            self._holding.between_steps(self)
         self._mark_writes()
 
     def _group_of(self, group: dict[str, Any]) -> LieGroup:
@@ -505,7 +511,7 @@ class BLROptimizer(Optimizer):
         self._end_step()
         self.noise_source.end_step()
         self._fresh_gradients()
-        self.holding.between_steps(self)
+        self._holding.between_steps(self)
         self._mark_writes()
 
     def _end_step(self) -> None:
@@ -551,11 +557,11 @@ class BLROptimizer(Optimizer):
         if engine.block:
             raise RuntimeError(f"sampled_params() cannot be nested inside {engine.block}()")
         if train:
-            self.holding.check_training_block()
+            self._holding.check_training_block()
         self._take_writes()
         engine.block = "sampled_params"
         try:
-            with self.holding.keeping():
+            with self._holding.keeping():
                 sample = self._draw_sample(train)
                 yield
                 if train:
@@ -564,7 +570,7 @@ class BLROptimizer(Optimizer):
             engine.block = ""
             if not engine.samples:
                 engine.tensors.clear()  # parameters may be frozen before the next step
-            if self.holding.resident is None:
+            if self._holding.resident is None:
                 self._write_points()
             self._mark_writes()
 
@@ -598,7 +604,7 @@ class BLROptimizer(Optimizer):
         a parameter since the optimizer's last call is adopted first: it is the point."""
         self._take_writes()
         self._write_points(frozen)
-        self.holding.forget()
+        self._holding.forget()
         self._mark_writes()
 
     # ------------------------------------------------------------------- step
@@ -638,7 +644,7 @@ class BLROptimizer(Optimizer):
         if closure is not None:
             loss = self._closure_samples(closure)
         elif not engine.samples:
-            self.holding.read(self)
+            self._holding.read(self)
         finite = not isinstance(loss, (Tensor, float)) or bool(
             torch.as_tensor(loss).isfinite().all()
         )
@@ -655,10 +661,10 @@ class BLROptimizer(Optimizer):
             torch.stack([local(p.grad).ne(0).any() for p in fresh]).any()  # type: ignore[arg-type]
         )
         foreign = None  # gradients found before the closure that it must clear
-        if made_outside and not self.holding.owns_outside_gradients(self.mc_samples):
+        if made_outside and not self._holding.owns_outside_gradients(self.mc_samples):
             foreign, made_outside = Foreign(fresh), False
         values, losses = [], []
-        resident = self.holding.resident
+        resident = self._holding.resident
         try:
             for s in range(self.mc_samples):
                 rng = self.noise_source.state_dict() if engine.samples else None
@@ -687,14 +693,14 @@ class BLROptimizer(Optimizer):
     def _refuse_outside_gradients(self) -> None:
         """Gradients made outside ``step(closure)`` since the last update (at the point
         estimate, or, with several samples, only at the first) were added to by the closure."""
-        held = self.holding.resident is not None
+        held = self._holding.resident is not None
         where = "at one sample" if held else "at the point estimate"
         fix = (
             "set mc_samples=1"
             if held
             else "hold the point estimate with `with optimizer.point_estimate():` instead of "
             "restore()"
-            if self.holding.samples
+            if self._holding.samples
             else "construct the optimizer with between_steps='sample' and mc_samples=1"
         )
         self.discard()
@@ -711,13 +717,14 @@ class BLROptimizer(Optimizer):
         parameter, the entropy's :math:`-w\nabla_X\log|\det J|` elsewhere; the entropy's as
         the number −w where the rule takes it so (:attr:`entropy_as_number`)."""
         G, prior, tau = group.get("group", self.lie_group), self._engine.prior, group["temperature"]
+        covered = prior is not None and prior.covers(t.keys)
+        if not covered and (G.constant_entropy or not tau):
+            return 0.0  # N may be unset: nothing divides by it
         weight = tau / group["data_size"] if tau else 0.0
-        if prior is not None and prior.covers(t.keys):
+        if covered:
             generator, base = self.noise_source.generator, group["base"]
             entropy = partial(self._entropy, G)
             return prior.gradients(G, base, t.keys, t.elements, weight, entropy, generator)
-        if G.constant_entropy or not weight:
-            return 0.0
         if self.entropy_as_number:
             return -weight
         return [self._entropy(G, g).mul(-weight) for g in t.elements]
@@ -765,7 +772,7 @@ class BLROptimizer(Optimizer):
             self.compile
             and n == 1
             and len(work) == len(drawn)
-            and self.holding.start_draw(self, not self.noise_source.views or self.fuses_view_draws)
+            and self._holding.start_draw(self, not self.noise_source.views or self.fuses_view_draws)
         )
         proposals: list[Proposal] = []
         for index, group, t in work if finite else []:
@@ -809,7 +816,7 @@ class BLROptimizer(Optimizer):
         self._end_step()
         unmoved = len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work)
         done = [t for _, _, t in work] if moved else []
-        self.holding.after_update(self, drawn, done if unmoved else None, started, fused and moved)
+        self._holding.after_update(self, drawn, done if unmoved else None, started, fused and moved)
 
     def _next_noise(
         self, index: int, group: dict[str, Any], t: GroupTensors, current: list[Tensor]
@@ -867,7 +874,7 @@ class BLROptimizer(Optimizer):
                 ``p.data = ...``), a non-finite value was written, or the group has no
                 ``with_point``: each in one line naming the fix.
         """
-        resident = self.holding.resident
+        resident = self._holding.resident
         held = {} if resident is None else {p: i for i, p in enumerate(resident.params)}
         adopted, sampled = 0, {}
         for index, group in enumerate(self.param_groups):
@@ -919,11 +926,11 @@ class BLROptimizer(Optimizer):
                 "the model"
             )
         if p in held:
-            resident = self.holding.resident
+            resident = self._holding.resident
             assert resident is not None
             expected = self._sample_value(group, element, resident.noise[held[p]])
         else:
-            expected = self._group_of(group).point(element, self._point_mean(group))
+            expected = self._group_of(group).point(element, self._point_mean(group), p.shape)
         return expected.to(value.dtype)
 
     def _hold_at_point(
@@ -1118,7 +1125,7 @@ class BLROptimizer(Optimizer):
             group.pop("group", None)
             group["rule"] = self._describe(live)
         now = self.noise_source.state_dict()
-        noise = self.holding.rng or now  # before the parameters' sample, if any
+        noise = self._holding.rng or now  # before the parameters' sample, if any
         sd["rng"], sd["seed"] = noise["rng"], noise["seed"]
         sd["predict_rng"] = now["predict_rng"]  # prediction draws: as they are now
         sd["skipped_steps"] = self._engine.skipped
@@ -1166,7 +1173,7 @@ class BLROptimizer(Optimizer):
         self._scratch.clear()
         self.noise_source.end_step()
         self._upgrade(self.param_groups)
-        self.holding.between_steps(self)  # the point estimate, or the saved sample drawn again
+        self._holding.between_steps(self)  # the point estimate, or the saved sample drawn again
         self._mark_writes()
         for post_hook in post_hooks.values():
             post_hook(self)

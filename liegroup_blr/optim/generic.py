@@ -293,7 +293,7 @@ def generic_readout_(
     """θ ← the group's point estimate of each element (:meth:`~liegroup_blr.groups.LieGroup.
     point`: at the reference point, or at E[ξ] = ``mean``)."""
     for p, g in zip(params, elements, strict=True):
-        p.copy_(G.point(g, mean))
+        p.copy_(G.point(g, mean, p.shape))
 
 
 def generic_update(
