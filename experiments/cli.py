@@ -72,6 +72,7 @@ DRIVERS = {
     "tune": ("CONFIG.toml", "grids of the runs on a validation split"),
     "continual": ("CONFIG.toml", "task streams (continual learning)"),
     "memory_map": ("CONFIG.toml | RUN_FOLDER", "memory maps, checked against retraining"),
+    "peers": ("CONFIG.toml", "the runs and post-hoc Laplace fits (the peers' environment)"),
 }
 """The drivers a helper module can name: their arguments and what they do."""
 

@@ -133,3 +133,9 @@ class MeanFieldVI(BatchOptimizer):
         self.vi = posteriors.vi.diag.VIDiagState(
             self._means(), log_sd, opt_state, self.vi.nelbo, step
         )
+
+
+if __name__ == "__main__":
+    from experiments import cli
+
+    raise SystemExit(cli.helper("experiments.meanfield", __doc__, ("peers", "compare")))
