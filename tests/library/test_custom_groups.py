@@ -316,6 +316,7 @@ def train(
     return opt.group_element(p)
 
 
+@pytest.mark.slow
 def test_full_affine_finds_the_exact_full_covariance_posterior() -> None:
     """ℓ̄(θ) = ½(θ − c)ᵀB(θ − c), N = 50, τ = 1: the posterior N(c, (NB)⁻¹) is σ²LLᵀ for a
     Gaussian base. 300 steps × 16 antithetic samples, natural gradient, lr = ρN/τ with
@@ -339,6 +340,7 @@ def test_full_affine_finds_the_exact_full_covariance_posterior() -> None:
     close(parts["b"], c, rtol=0.0, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_rotation_scaling_finds_the_exact_posterior() -> None:
     """Base N(μ, σ²) per entry, so a pair is N(zμ(1 + i), |z|²σ²I). With
     ℓ̄ = Σ_k ½a_k|θ_k − c_k|², N = 50, τ = 1, the posterior N(c_k, s_k² I), s_k² = 1/(N a_k),

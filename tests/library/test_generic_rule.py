@@ -26,6 +26,7 @@ def _split(model):
     return first, last
 
 
+@pytest.mark.slow
 def test_param_groups_with_their_own_groups_equal_one_optimizer_per_group():
     """One LieGroupBLR with a multiplicative first layer and a full-affine last layer steps
     exactly as two optimizers, one per group, that share each sample's forward pass."""
@@ -67,6 +68,7 @@ def test_param_groups_with_their_own_groups_equal_one_optimizer_per_group():
     assert joint.state[last[0]]["element"].shape == (n * (n + 3) // 2,)
 
 
+@pytest.mark.slow
 def test_mixed_groups_state_dict_round_trip_continues_bit_identically():
     model, x, y = make_problem()
     first, last = _split(model)
@@ -97,8 +99,9 @@ def test_mixed_groups_state_dict_round_trip_continues_bit_identically():
 
 def test_a_diverging_custom_group_step_is_skipped_warned_every_time_and_can_raise():
     """matrix_exp of a huge algebra step overflows: the proposed element is not finite, so the
-    step is skipped (elements and momenta unchanged), with a warning at every skip."""
-    theta = nn.Parameter(torch.randn(4, dtype=DTYPE))
+    step is skipped (elements and momenta unchanged), with a warning at every skip. θ is
+    drawn from a seeded generator: for about 5 % of draws the step stays finite."""
+    theta = nn.Parameter(torch.randn(4, dtype=DTYPE, generator=torch.Generator().manual_seed(0)))
     opt = lgb.LieGroupBLR(
         [theta], FullAffineGroup(), Normal(0.0, 0.1), lr=1e6, data_size=10, seed=0
     )

@@ -256,6 +256,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("name", list(PROBLEMS))
 def test_riemannian_optimisers_reach_the_minimiser(name: str, opt_name: str) -> None:

@@ -233,6 +233,7 @@ def _random_full_affine(group: FullAffineGroup, n: int, gen: torch.Generator) ->
     return group.pack(L, torch.randn(n, dtype=F64, generator=gen))
 
 
+@pytest.mark.slow
 def test_monte_carlo_fallback_for_a_full_affine_group_against_gaussian_kl() -> None:
     """A group without a closed form here: KL and gradient against torch's KL of the two
     multivariate normals (and its autograd through X ↦ g·exp X)."""

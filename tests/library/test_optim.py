@@ -273,6 +273,7 @@ def assert_mc_close(estimates, target, rel_floor=2e-3):
     assert bool((err < 5 * se + rel_floor * target.abs()).all()), (mean, target, se)
 
 
+@pytest.mark.slow
 def test_affine_gaussian_converges_to_exact_gaussian_posterior():
     """With q = N(b, s²), s = Aσ: b* = hc/(h + δ/N), s*² = (τ/N)/(h + δ/N)."""
     sigma = 0.5
@@ -297,6 +298,7 @@ def test_affine_gaussian_converges_to_exact_gaussian_posterior():
     assert_mc_close(final["A"] * sigma, s_star)
 
 
+@pytest.mark.slow
 def test_additive_converges_to_map_of_the_smoothed_objective():
     """Entropy is constant, so m* = hc/(h + δ/N) for any centred base."""
     final = quadratic_run(
@@ -313,6 +315,7 @@ def test_additive_converges_to_map_of_the_smoothed_objective():
     assert_mc_close(final["m"], H * C / (H + DELTA / N))
 
 
+@pytest.mark.slow
 def test_unsigned_multiplicative_converges_to_closed_form_scale():
     """θ = gξ, ξ ~ Rayleigh(σ): E[θ] = gμ, E[θ²] = 2σ²g², H = log g + const, so
     f(g) = ½h(2σ²g² − 2cμg) + (δ/N)σ²g² − (τ/N)log g, whose positive root of f'(g) = 0 is

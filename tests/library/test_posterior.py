@@ -209,6 +209,7 @@ def _moments(draw: Callable[[], list[Tensor]], n: int) -> tuple[Tensor, ...]:
     return flat.mean(0), flat.var(0), ((flat - flat.mean(0)) ** 4).mean(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", list(RULES))
 def test_samples_agree_in_law_with_the_optimizers(rule: str) -> None:
     """Per coordinate, mean and variance of 3,000 samples of each, independent noise:
@@ -382,6 +383,7 @@ FRESH = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["multiplicative", "generic"])
 def test_a_file_round_trip_in_a_fresh_process(rule: str, tmp_path: Path) -> None:
     model, opt = trained(rule, "mean")

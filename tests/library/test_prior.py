@@ -38,6 +38,7 @@ def _train(opt, theta, a, c, steps=500):
         sched.step()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_two_tasks_in_sequence_reach_the_tempered_posterior_of_both(seed):
     """Task 1 with the N(0, 1/δ) prior, task 2 with task 1's posterior as prior (affine rule,
@@ -121,6 +122,7 @@ FACTORIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", FACTORIES)
 def test_a_task_without_data_returns_to_the_prior(kind):
     """Loss 0 (N_t > 0): the objective is (τ/N)·KL(q ‖ prior), minimised at q = prior, from

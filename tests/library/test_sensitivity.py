@@ -165,6 +165,7 @@ def test_sample_variance_approaches_the_jacobian_form():
     assert float(((samples.predictions - jac.predictions)[:, 0].abs() / sd).max()) < Z
 
 
+@pytest.mark.slow
 def test_nonlinear_network_sample_and_jacobian_forms_agree_for_a_narrow_posterior():
     """A tanh MLP under a posterior of standard deviation 1e-3: the network is linear over
     the posterior's width, so both forms estimate the same variances and scores."""

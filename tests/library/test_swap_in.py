@@ -52,6 +52,7 @@ def test_the_readme_names_the_three_rules():
     assert set(readme_optimizers()) == {"AdditiveBLR", "MultiplicativeBLR", "AffineBLR"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize("net", [mlp, cnn], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("rule", ["AdditiveBLR", "MultiplicativeBLR", "AffineBLR"])
