@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributions import Laplace, Normal
 
 import liegroup_blr as lgb
-from liegroup_blr.distributions import Rayleigh
-from liegroup_blr.noise import NoiseTable, symmetric_centre
+from liegroup_blr.distributions import Dirac, Rayleigh
+from liegroup_blr.noise import NoiseSource, NoiseTable, symmetric_centre
 from tests.library.test_optim import closure_for, make_problem, recording_closure, snapshot
 
 
@@ -232,3 +232,36 @@ def test_invalid_noise_options_raise_value_errors_naming_them():
         lgb.MultiplicativeBLR(p, lr=0.1, data_size=1, antithetic=True)
     assert symmetric_centre(Rayleigh(1.0)) is None
     assert symmetric_centre(Normal(2.0, 1.0)) == 2.0
+
+
+class CentreNoise(NoiseSource):
+    """A user-defined source: every ξ at the base's mean, the draws counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws = 0
+
+    def draw(self, outs, base, keys, index, *, predict):
+        self.draws += 1
+        return [out.fill_(float(base.mean)) for out in outs]
+
+
+def test_a_user_defined_noise_source_passed_as_noise_is_what_the_optimizer_draws():
+    """``noise=`` takes a :class:`NoiseSource`: the additive rule drawing ξ = E[ξ] = 0 from it
+    takes the steps of the same rule with a Dirac base at 0 (SGD with momentum), once per
+    sample; the source is bound to the optimizer's seed and saved in its state dict."""
+    model, x, y = make_problem()
+    twin = copy.deepcopy(model)
+    source = CentreNoise()
+    opt = lgb.AdditiveBLR(
+        model.parameters(), lr=0.05, base=Normal(0.0, 0.1), noise=source, mc_samples=2, seed=4
+    )
+    dirac = lgb.AdditiveBLR(twin.parameters(), lr=0.05, base=Dirac(0.0), mc_samples=2, seed=4)
+    for _ in range(3):
+        opt.step(closure_for(opt, model, x, y))
+        dirac.step(closure_for(dirac, twin, x, y))
+    assert opt.noise_source is source and source.seed == 4
+    assert source.draws == 3 * 2  # steps × samples, one param group
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert opt.state_dict()["seed"] == 4 and set(opt.state_dict()["predict_rng"]) == {"cpu"}
