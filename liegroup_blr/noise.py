@@ -162,8 +162,9 @@ class NoiseSource:
         self, device: torch.device, shard: str = "", *, predict: bool = False
     ) -> torch.Generator:
         """The training generator of ``device`` (made on first use from the seed, device and
-        rank), or of a ``shard`` of sharded parameters on it (:func:`~liegroup_blr.sharding.
-        shard_name`); ``predict``: the generator of prediction draws instead, seeded apart."""
+        rank), or of a ``shard`` of sharded parameters on it
+        (:func:`~liegroup_blr.sharding.shard_name`); ``predict``: the generator of prediction
+        draws instead, seeded apart."""
         gens = self._predict if predict else self._generators
         gen = gens.get((device, shard))
         if gen is None:

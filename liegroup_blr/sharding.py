@@ -30,7 +30,8 @@ __all__ = [
 ]
 
 SHARDED: tuple[type[Any], ...] = ()
-"""Tensor types of sharded parameters (DTensor: FSDP2's ``fully_shard``)."""
+"""The tensor types of sharded parameters, DTensor (FSDP2's ``fully_shard``) where
+torch.distributed is available."""
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

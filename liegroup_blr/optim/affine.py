@@ -183,7 +183,7 @@ def affine_move(
     g: Rows, u: Tensor, v: Tensor, lr: float | Tensor, scale_lr: float | Tensor
 ) -> tuple[Tensor, Tensor]:
     """(A e^{−α₂ u}, b − α₁ A v φ(−α₁ u)) for g = (A, b), both clamped to the finite range
-    (A > 0) for any step. φ is the group's :func:`~liegroup_blr.groups.affine.exprel` (a
+    (A > 0) for any step. φ is the group's :func:`~liegroup_blr.groups.exprel` (a
     Taylor series near 0: inductor's vectorised ``expm1`` on CPU is exp(x) − 1, which loses
     every digit there); e^x as 2^{x log₂e}, several times faster on CPU."""
     info = torch.finfo(g[0].dtype)

@@ -721,7 +721,7 @@ class BLROptimizer(Optimizer):
         if not covered and (G.constant_entropy or not tau):
             return 0.0  # N may be unset: nothing divides by it
         weight = tau / group["data_size"] if tau else 0.0
-        if covered:
+        if prior is not None and covered:
             generator, base = self.noise_source.generator, group["base"]
             entropy = partial(self._entropy, G)
             return prior.gradients(G, base, t.keys, t.elements, weight, entropy, generator)
