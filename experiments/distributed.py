@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
 
-from liegroup_blr.optim.distributed import SHARDED, local
+from liegroup_blr.sharding import SHARDED, local
 
 PARALLEL = ("data", "mc", "fsdp")
 

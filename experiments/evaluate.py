@@ -93,13 +93,7 @@ def posterior_mean(model: nn.Module, optimizer: Any) -> lgb.Posterior | None:
     post = lgb.Posterior.from_optimizer(optimizer, model)
     if post.point_estimate == "mean":
         return None
-    mean = lgb.Posterior(
-        dict(post.items()),
-        point_estimate="mean",
-        fused=post.fused,
-        missing=post.missing,
-        size=post.size,
-    )
+    mean = post.with_point_estimate("mean")
     at_g, at_mean = post.point_estimates(), mean.point_estimates()
     same = all(torch.equal(at_g[k], at_mean[k]) for k in at_g)
     return None if same else mean

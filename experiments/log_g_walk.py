@@ -43,17 +43,17 @@ from experiments.data import load_dataset, test_batches, train_batches
 from experiments.models import build_model
 from experiments.sparsity import first_layer, sparsity
 from liegroup_blr import predictive
-from liegroup_blr.noise import NoiseSource
+from liegroup_blr.noise import FreshNoise, TableNoise
 
 NOISES = ("fresh", "one-draw", "per-sample")
 
 
-class PerSampleNoise(NoiseSource):
+class PerSampleNoise(FreshNoise):
     """The reference code's noise: the s-th training sample of every step reads the same ξ,
     drawn fresh on first use (S draws per tensor in all); other samples draw fresh noise."""
 
-    def __init__(self, seed: int) -> None:
-        super().__init__("fresh", seed)
+    def __init__(self) -> None:
+        super().__init__()
         self.frozen: dict[tuple[int, int], list[Tensor]] = {}
         self.index = -1  # of the current training sample within its step; -1: not training
 
@@ -65,14 +65,21 @@ class PerSampleNoise(NoiseSource):
         super().end_step()
         self.index = -1
 
-    def sample(
-        self, outs: list[Tensor], base: Distribution, keys: list[Tensor], index: int
+    def draw(
+        self,
+        outs: list[Tensor],
+        base: Distribution,
+        keys: list[Tensor],
+        index: int,
+        *,
+        predict: bool,
     ) -> list[Tensor]:
         if self.index < 0:
-            return super().sample(outs, base, keys, index)
+            return super().draw(outs, base, keys, index, predict=predict)
         key = (self.index, index)
         if key not in self.frozen:
-            self.frozen[key] = [xi.clone() for xi in super().sample(outs, base, keys, index)]
+            drawn = super().draw(outs, base, keys, index, predict=predict)
+            self.frozen[key] = [xi.clone() for xi in drawn]
         return self.frozen[key]
 
 
@@ -80,8 +87,12 @@ def _optimizer(
     model: torch.nn.Module, noise: str, samples: int, data_size: int, seed: int
 ) -> lgb.MultiplicativeBLR:
     weight = first_layer(model)
-    table = {"noise": "table", "table_size": 2 * weight.numel()} if noise == "one-draw" else {}
-    opt = lgb.MultiplicativeBLR(
+    sources = {
+        "fresh": FreshNoise,
+        "one-draw": lambda: TableNoise(2 * weight.numel()),
+        "per-sample": PerSampleNoise,
+    }
+    return lgb.MultiplicativeBLR(
         model.parameters(),
         lr=50.0,
         momentum=0.9,
@@ -89,11 +100,8 @@ def _optimizer(
         data_size=data_size,
         mc_samples=samples,
         seed=seed,
-        **table,  # type: ignore[arg-type]
+        noise=sources[noise](),
     )
-    if noise == "per-sample":
-        opt.noise_source = PerSampleNoise(seed)
-    return opt
 
 
 def run(

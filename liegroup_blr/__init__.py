@@ -8,7 +8,20 @@ the group's exponential map with reparameterised gradients. The optimizers are d
     opt = lgb.AdditiveBLR(model.parameters(), lr=0.05, data_size=len(train_set))
 """
 
-from . import distributions, fisher, groups, mc, noise, optim
+from . import (
+    distributions,
+    fisher,
+    groups,
+    kl,
+    mc,
+    memorable,
+    memory,
+    noise,
+    optim,
+    posterior,
+    predictive,
+    sharding,
+)
 from .mc import mc_step
 from .memorable import MemorablePast
 from .memory import MemoryMap, memory_map, sensitivity
@@ -26,11 +39,17 @@ __all__ = [
     "distributions",
     "fisher",
     "groups",
+    "kl",
     "mc",
     "mc_step",
+    "memorable",
+    "memory",
     "memory_map",
     "noise",
     "optim",
+    "posterior",
+    "predictive",
     "sensitivity",
+    "sharding",
 ]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from .optim import BLROptimizer, unwrap
-from .optim.distributed import SHARDED
+from .sharding import SHARDED
 
 __all__ = ["default_chunk_size", "mc_step"]
 

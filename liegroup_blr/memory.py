@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
-from .posterior import Posterior, PosteriorEntry
+from .posterior import Posterior, PosteriorEntry, holder
 
 __all__ = ["METHODS", "REGIONS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
 
@@ -265,9 +265,7 @@ def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tupl
     if isinstance(source, Posterior):
         post, tau = source, 1.0 if temperature is None else temperature
     else:
-        from .optim import unwrap  # late: optim imports posterior
-
-        optimizer = unwrap(source)
+        optimizer = holder(source)
         if optimizer is None:
             raise ValueError(
                 f"posterior: expected a liegroup_blr.Posterior or a Lie-group BLR optimizer, got "
@@ -376,7 +374,7 @@ def _moments(
     (co)variance under the posterior (tempered: not yet divided by τ)."""
     device = next(iter(post.values())).element.device
     if method == "jacobian":
-        at_mean = Posterior(post, point_estimate="mean", fused=post.fused, size=post.size)
+        at_mean = post.with_point_estimate("mean")
         with at_mean.at_point_estimate(model):  # ValueError if names or shapes differ
             named = dict(model.named_parameters())
             order = list(named)

@@ -15,7 +15,6 @@ read as a point estimate, saved and loaded in a process that never saw the optim
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,11 +26,24 @@ from torch.distributions import Distribution
 
 from . import posterior_io
 from .distributions import check_base, sample_into
-from .groups import DiagonalAffineGroup, LieGroup, MultiplicativeGroup
+from .groups import LieGroup
 
-__all__ = ["Posterior", "PosteriorEntry"]
+__all__ = ["Posterior", "PosteriorEntry", "holder"]
 
 _POINT_ESTIMATES = ("g", "mean")
+
+
+def holder(optimizer: Any) -> Any:
+    """The optimizer of a chain of wrappers (Lightning's ``LightningOptimizer``, accelerate's
+    ``AcceleratedOptimizer``, anything holding it as ``.optimizer`` or ``._optimizer``) that
+    holds a posterior (has ``posterior()``: a Lie-group BLR optimizer), or ``None``."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        if callable(getattr(optimizer, "posterior", None)):
+            return optimizer
+        seen.add(id(optimizer))
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,19 +89,12 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         entries: the entries, by key.
         point_estimate: ``"g"`` (θ read at the group's reference point ξ₀) or ``"mean"``
             (θ read at E[ξ]), as the optimizer's ``point_estimate``.
-        fused: compute θ and the point estimates in the arithmetic of the specialised
-            rules (:class:`~liegroup_blr.AdditiveBLR`, :class:`~liegroup_blr.AffineBLR`,
-            :class:`~liegroup_blr.MultiplicativeBLR`): A·ξ + b and b + E[ξ]·A as single
-            fused multiply-adds, (g⁺ − g⁻)·E[ξ] as a difference then a product; else with
-            the group's ``act`` and ``readout``, as :class:`~liegroup_blr.LieGroupBLR` does.
-            The two differ in the last bit; each reproduces its optimizer bit for bit.
         missing: keys of the optimizer's parameters that had no state (never trained).
         size: the number of positions of a posterior keyed by position (entries and
             missing ones): the length of ``model.parameters()`` it applies to.
 
     Attributes:
         point_estimate: ``"g"`` or ``"mean"``.
-        fused: as the argument.
         missing: keys left out for want of optimizer state.
         size: positions of a posterior keyed by position, else ``None``.
         by_position: whether keys are positions.
@@ -103,7 +108,6 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         entries: Mapping[str | int, PosteriorEntry],
         *,
         point_estimate: str = "g",
-        fused: bool = False,
         missing: Sequence[str | int] = (),
         size: int | None = None,
     ) -> None:
@@ -127,7 +131,6 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
                 raise ValueError(f"point_estimate: 'mean' needs a finite E[ξ] (entry {key!r})")
         self._entries = dict(entries)
         self.point_estimate = point_estimate
-        self.fused = bool(fused)
         self.missing: list[str | int] = list(missing)
         self.size = size if self.by_position else None
 
@@ -158,7 +161,9 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
     # --------------------------------------------------------- construction
     @classmethod
     def from_optimizer(cls, optimizer: Any, model: nn.Module | None = None) -> Posterior:
-        """Snapshot a Lie-group BLR optimizer's posterior (public attributes only).
+        """Snapshot a Lie-group BLR optimizer's posterior: ``optimizer.posterior(model)`` of
+        the optimizer or of the one a wrapper holds (Lightning's, accelerate's, as
+        ``.optimizer``).
 
         Keys are ``model.named_parameters()`` names when ``model`` is given, else positions
         in the order of the optimizer's param groups (the order of ``model.parameters()``
@@ -167,52 +172,23 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         trained, e.g. frozen) are left out, recorded in :attr:`missing` and named in a warning.
 
         Raises:
+            TypeError: ``optimizer`` holds no Lie-group optimizer.
             ValueError: ``model`` lacks one of the optimizer's parameters.
         """
-        from .optim import AdditiveBLR, AffineBLR, MultiplicativeBLR, unwrap  # late: cycles
-        from .optim.distributed import SHARDED, as_dtensor
-
-        optimizer = unwrap(optimizer) or optimizer
-
-        names = None if model is None else {id(p): n for n, p in model.named_parameters()}
-        entries: dict[str | int, PosteriorEntry] = {}
-        missing: list[str | int] = []
-        position = 0
-        for group in optimizer.param_groups:
-            lie_group, base = group.get("group", optimizer.lie_group), group["base"]
-            for p in group["params"]:
-                key: str | int = position
-                if names is not None:
-                    if id(p) not in names:
-                        raise ValueError(
-                            f"model: the optimizer's parameter {position} (shape "
-                            f"{tuple(p.shape)}) is not among model.named_parameters(); pass the "
-                            "model the optimizer was built from"
-                        )
-                    key = names[id(p)]
-                state = optimizer.state.get(p, {})
-                if "element" in state:
-                    element = state["element"].detach()
-                    if isinstance(p, SHARDED):  # the whole element, on every rank
-                        element = as_dtensor(element, p).full_tensor()
-                    else:
-                        element = element.clone()
-                    entries[key] = PosteriorEntry(element, lie_group, base, p.shape)
-                else:
-                    missing.append(key)
-                position += 1
-        if missing:
-            warnings.warn(
-                f"Posterior: {len(missing)} parameter(s) without optimizer state (never "
-                f"trained, e.g. frozen) left out: {missing}",
-                stacklevel=2,
+        source = holder(optimizer)
+        if source is None:
+            raise TypeError(
+                f"optimizer: a Lie-group BLR optimizer (or a wrapper holding one as .optimizer) "
+                f"has a posterior, {type(optimizer).__name__} has none"
             )
-        return cls(
-            entries,
-            point_estimate=optimizer.point_convention,
-            fused=isinstance(optimizer, (AdditiveBLR, AffineBLR, MultiplicativeBLR)),
-            missing=missing,
-            size=position,
+        return source.posterior(model)
+
+    def with_point_estimate(self, point_estimate: str) -> Posterior:
+        """The same posterior with its point estimate read at ``point_estimate`` (``"g"`` or
+        ``"mean"``): the point estimates (and what a posterior as prior means) change, the
+        samples do not."""
+        return Posterior(
+            self._entries, point_estimate=point_estimate, missing=self.missing, size=self.size
         )
 
     def to(
@@ -227,11 +203,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
 
     def _like(self, entries: Mapping[str | int, PosteriorEntry]) -> Posterior:
         return Posterior(
-            entries,
-            point_estimate=self.point_estimate,
-            fused=self.fused,
-            missing=self.missing,
-            size=self.size,
+            entries, point_estimate=self.point_estimate, missing=self.missing, size=self.size
         )
 
     # ---------------------------------------------------------- state dicts
@@ -240,7 +212,9 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         ``torch.load(weights_only=True)``): each distinct group and base once, by class name
         and constructor parameters, and per entry its key, shape, element and their indices
         (:mod:`liegroup_blr.posterior_io`)."""
-        return posterior_io.state_dict(self)
+        return posterior_io.state_dict(
+            self.items(), point_estimate=self.point_estimate, size=self.size, missing=self.missing
+        )
 
     @classmethod
     def from_state_dict(
@@ -294,48 +268,27 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         """One posterior sample θ = readout(g·ξ) per entry, ξ ~ q0 drawn i.i.d. per coordinate
         of the base space with :func:`~liegroup_blr.distributions.sample_into` from
         ``generator`` (default: torch's global generator), entry by entry in order: the
-        order in which an optimizer draws its fresh noise, so a generator in the state of
-        the optimizer's generator of prediction draws (``optimizer.state_dict()
-        ["predict_rng"]``) gives its next ``sampled_params()`` sample bit for bit."""
+        order in which an optimizer draws its fresh noise, and θ with the group's
+        :meth:`~liegroup_blr.groups.LieGroup.theta`, as the optimizer computes it, so a
+        generator in the state of the optimizer's generator of prediction draws
+        (``optimizer.state_dict()["predict_rng"]``) gives its next ``sampled_params()`` sample
+        bit for bit."""
         out = {}
         for key, e in self.items():
             xi = e.element.new_empty(e.group.base_shape(e.shape))
             sample_into(e.base, xi, generator)
-            out[key] = self._readout(e, xi).reshape(e.shape)
+            out[key] = e.group.theta(e.element, xi).reshape(e.shape)
         return out
 
     def point_estimates(self) -> dict[str | int, Tensor]:
-        """The point estimate per entry, as the optimizer writes it: readout(g·ξ₀) with ξ₀ the
-        group's reference point (``"g"``) or E[ξ] in every coordinate (``"mean"``)."""
+        """The point estimate per entry, as the optimizer writes it (the group's
+        :meth:`~liegroup_blr.groups.LieGroup.point`): readout(g·ξ₀) with ξ₀ the group's
+        reference point (``"g"``) or E[ξ] in every coordinate (``"mean"``)."""
         out = {}
         for key, e in self.items():
-            if self.point_estimate == "mean":
-                xi0 = e.element.new_full(e.group.base_shape(e.shape), float(e.base.mean))
-            else:
-                g = e.element
-                xi0 = e.group.reference_point(e.shape, dtype=g.dtype, device=g.device)
-            out[key] = self._point(e, xi0).reshape(e.shape)
+            mean = float(e.base.mean) if self.point_estimate == "mean" else None
+            out[key] = e.group.point(e.element, mean).reshape(e.shape)
         return out
-
-    def _readout(self, e: PosteriorEntry, xi: Tensor) -> Tensor:
-        """readout(g·ξ); A·ξ + b as one fused ``addcmul`` when :attr:`fused`, as
-        :class:`~liegroup_blr.AffineBLR` draws it."""
-        G, g = e.group, e.element
-        if self.fused and type(G) is DiagonalAffineGroup:
-            return torch.addcmul(g[1], g[0], xi)
-        return G.readout(G.act(g, xi))
-
-    def _point(self, e: PosteriorEntry, xi0: Tensor) -> Tensor:
-        """readout(g·ξ₀); the specialised rules' arithmetic when :attr:`fused`: b + E[ξ]A
-        as one fused ``add``, (g⁺ − g⁻)·E[ξ] for the multiplicative group."""
-        G, g = e.group, e.element
-        if self.fused and self.point_estimate == "mean":
-            mean = float(e.base.mean)
-            if type(G) is DiagonalAffineGroup:
-                return torch.add(g[1], g[0], alpha=mean)
-            if type(G) is MultiplicativeGroup:
-                return (g[0] - g[1] if G.signed else g.clone()).mul_(mean)
-        return G.point_estimate(g, xi0)
 
     # --------------------------------------------------------------- models
     def _targets(self, model: nn.Module) -> list[tuple[str | int, nn.Parameter]]:

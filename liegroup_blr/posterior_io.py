@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -34,10 +34,24 @@ from .groups import (
     RotationScalingGroup,
 )
 
-if TYPE_CHECKING:
-    from .posterior import Posterior, PosteriorEntry
+__all__ = ["FORMAT", "VERSION", "Entry", "describe_base", "entries", "load", "save", "state_dict"]
 
-__all__ = ["FORMAT", "VERSION", "describe_base", "entries", "load", "save", "state_dict"]
+
+class Entry(Protocol):
+    """What a file holds of one parameter's posterior (a
+    :class:`~liegroup_blr.posterior.PosteriorEntry`)."""
+
+    @property
+    def element(self) -> Tensor: ...
+    @property
+    def group(self) -> LieGroup: ...
+    @property
+    def base(self) -> Distribution: ...
+    @property
+    def shape(self) -> torch.Size: ...
+
+
+E = TypeVar("E")
 
 FORMAT = "liegroup_blr.Posterior"
 """The ``"format"`` entry of a posterior's state dict and file."""
@@ -68,14 +82,21 @@ _BASES: dict[str, tuple[type[Distribution], tuple[str, ...]]] = {
 """Bases a file restores by name: their constructor parameters are stored as tensors."""
 
 
-def state_dict(post: Posterior) -> dict[str, Any]:
-    """:meth:`Posterior.state_dict <liegroup_blr.Posterior.state_dict>`."""
+def state_dict(
+    items: Iterable[tuple[str | int, Entry]],
+    *,
+    point_estimate: str,
+    size: int | None,
+    missing: Iterable[str | int],
+) -> dict[str, Any]:
+    """:meth:`Posterior.state_dict <liegroup_blr.Posterior.state_dict>` of the entries
+    ``items`` (key, entry) and the posterior's convention, size and missing keys."""
     groups: dict[int, int] = {}
     bases: dict[int, int] = {}
     group_specs: list[dict[str, Any]] = []
     base_specs: list[dict[str, Any]] = []
     rows = []
-    for key, e in post.items():
+    for key, e in items:
         if id(e.group) not in groups:
             groups[id(e.group)] = len(group_specs)
             group_specs.append(_group_spec(e.group))
@@ -94,10 +115,9 @@ def state_dict(post: Posterior) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "version": VERSION,
-        "point_estimate": post.point_estimate,
-        "fused": post.fused,
-        "size": post.size,
-        "missing": list(post.missing),
+        "point_estimate": point_estimate,
+        "size": size,
+        "missing": list(missing),
         "groups": group_specs,
         "bases": base_specs,
         "entries": rows,
@@ -108,8 +128,8 @@ def entries(
     state_dict: Mapping[str, Any],
     groups: LieGroup | Mapping[str | int, LieGroup] | None,
     bases: Distribution | Mapping[str | int, Distribution] | None,
-    entry: Callable[..., PosteriorEntry],
-) -> tuple[dict[str | int, PosteriorEntry], dict[str, Any]]:
+    entry: Callable[..., E],
+) -> tuple[dict[str | int, E], dict[str, Any]]:
     """The entries of a posterior's state dict and the keywords of its constructor; the
     custom groups and bases from ``groups`` and ``bases``. ValueError in one line for a dict
     that is not a posterior's, of another version, or malformed."""
@@ -132,7 +152,7 @@ def entries(
                 _restore(state_dict["bases"][row["base"]], key, bases, "bases"),
                 torch.Size(row["shape"]),
             )
-        options = {k: state_dict[k] for k in ("point_estimate", "fused", "missing", "size")}
+        options = {k: state_dict[k] for k in ("point_estimate", "missing", "size")}
     except (KeyError, IndexError, TypeError, AttributeError) as err:
         raise ValueError(
             f"state_dict: a malformed Posterior state dict ({type(err).__name__}: {err})"

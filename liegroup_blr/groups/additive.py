@@ -45,6 +45,10 @@ class AdditiveGroup(LieGroup):
     def from_point(self, theta: Tensor) -> Tensor:
         return theta.detach().clone()
 
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
+        """m, or m + E[ξ]."""
+        return g.clone() if mean is None else g + mean
+
     def with_point(self, g: Tensor, theta: Tensor, xi0: Tensor | None = None) -> Tensor:
         """m = θ − ξ₀ (the spread is the base's: nothing of g to keep)."""
         return theta.detach().clone() if xi0 is None else theta.detach() - xi0

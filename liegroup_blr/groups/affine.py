@@ -71,6 +71,14 @@ class DiagonalAffineGroup(LieGroup):
     def act(self, g: Tensor, x: Tensor) -> Tensor:
         return g[0] * x + g[1]
 
+    def theta(self, g: Tensor, xi: Tensor) -> Tensor:
+        """A ⊙ ξ + b as one fused multiply-add."""
+        return torch.addcmul(g[1], g[0], xi)
+
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
+        """b, or b + E[ξ]·A as one fused add."""
+        return g[1].clone() if mean is None else torch.add(g[1], g[0], alpha=mean)
+
     def log_abs_det(self, g: Tensor) -> Tensor:
         return g[0].log().sum()
 

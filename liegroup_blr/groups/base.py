@@ -114,7 +114,27 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         """Point estimate ``readout(g · ξ₀)`` (ξ₀ defaults to :meth:`reference_point`)."""
         if xi0 is None:
             xi0 = self.reference_point(self.param_shape(g.shape), dtype=g.dtype, device=g.device)
-        return self.readout(self.act(g, xi0))
+        return self.theta(g, xi0)
+
+    # ------------------------------------------- the arithmetic every user shares
+    def theta(self, g: Tensor, xi: Tensor) -> Tensor:
+        """A sample's parameter, θ = readout(g · ξ): the arithmetic the optimizers and the
+        posterior of this group share (a group may override it with a faster exact form, as
+        the diagonal affine group's fused multiply-add), so a posterior reproduces its
+        optimizer's samples bit for bit."""
+        return self.readout(self.act(g, xi))
+
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
+        """The point estimate the optimizers write: readout(g · ξ₀) at the reference point
+        (``mean=None``, "at g"), or at E[ξ] = ``mean`` in every coordinate (the posterior
+        mean); the arithmetic shared as :meth:`theta`'s. ``shape`` is the parameter's
+        (default :meth:`param_shape` of ``g``'s)."""
+        shape = self.param_shape(g.shape) if shape is None else shape
+        if mean is None:
+            xi0 = self.reference_point(shape, dtype=g.dtype, device=g.device)
+        else:
+            xi0 = torch.full(self.base_shape(shape), mean, dtype=g.dtype, device=g.device)
+        return self.theta(g, xi0)
 
     def from_point(self, theta: Tensor) -> Tensor:
         """An element whose point estimate is ``theta`` (used to initialise from a network)."""

@@ -77,6 +77,11 @@ class MultiplicativeGroup(LieGroup):
     def readout(self, x: Tensor) -> Tensor:
         return x[0] - x[1] if self.signed else x
 
+    def point(self, g: Tensor, mean: float | None = None, shape: Shape | None = None) -> Tensor:
+        """g⁺ − g⁻ (or g), times E[ξ] after the difference."""
+        point = g[0] - g[1] if self.signed else g.clone()
+        return point if mean is None else point.mul_(mean)
+
     def reference_point(
         self, shape: Shape, *, dtype: torch.dtype | None = None, device: torch.device | None = None
     ) -> Tensor:

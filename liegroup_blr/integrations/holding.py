@@ -83,7 +83,7 @@ def park(optimizers: Iterable[BLROptimizer]) -> list[BLROptimizer]:
     """Write the point estimate into the parameters of the ``between_steps="sample"``
     optimizers, whose parameters hold a training sample (for what follows training: saving,
     evaluating, serving); returns them, for :func:`resume`."""
-    parked = [o for o in optimizers if o.between_steps == "sample"]
+    parked = [o for o in optimizers if o.holds_samples]
     for optimizer in parked:
         optimizer.restore()
     return parked

@@ -134,7 +134,7 @@ def _check_automatic(trainer: pl.Trainer, optimizer: BLROptimizer) -> None:
     if not outside:
         return
     what = " and ".join(outside)
-    if optimizer.between_steps == "point":
+    if not optimizer.holds_samples:
         raise ValueError(
             f"{what}: Lightning runs training steps outside optimizer.step(), which would "
             f"compute their gradients at the point estimate; construct the optimizer with "

@@ -29,7 +29,7 @@ def check_optimizer(optimizer: Any) -> None:
     blr = unwrap(optimizer)
     if blr is None:
         return
-    if blr.between_steps != "sample":
+    if not blr.holds_samples:
         raise ValueError(
             f"{type(blr).__name__} with between_steps='point': the Trainer calls "
             "optimizer.step() without a closure, after computing the gradients itself; "

@@ -1,5 +1,11 @@
-"""torch.optim optimizers implementing the Lie-group Bayesian learning rule."""
+"""torch.optim optimizers implementing the Lie-group Bayesian learning rule.
 
+The rule modules (:mod:`~liegroup_blr.optim.additive`, ``multiplicative``, ``affine``,
+``generic``) and :mod:`~liegroup_blr.optim.kernel_utils` are public too: each rule's formulas,
+their in-place twins and its compiled update, for benchmarks and new rules.
+"""
+
+from . import additive, affine, generic, kernel_utils, multiplicative
 from .additive import AdditiveBLR
 from .affine import AffineBLR
 from .base import BLROptimizer
@@ -19,5 +25,10 @@ __all__ = [
     "MultiplicativeBLR",
     "Sample",
     "TrainingState",
+    "additive",
+    "affine",
+    "generic",
+    "kernel_utils",
+    "multiplicative",
     "unwrap",
 ]

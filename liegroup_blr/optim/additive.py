@@ -67,8 +67,6 @@ class AdditiveBLR(BLROptimizer):
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
-    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -108,14 +106,12 @@ class AdditiveBLR(BLROptimizer):
         additive_draw(t.elements, xi, t.params)
         return xi
 
-    def _sample_value(self, group, elements, noise, out) -> None:
-        additive_draw(elements, noise, out)
-
     def _accumulate(self, group, t, noise, grads, first) -> None:
         additive_accumulate(t.accs, grads, first=first)
 
-    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
+    def _propose(self, group, t, n, sample, offset, draw) -> Proposal:
         grads = None if sample is None else sample[1]
+        prior = offset if isinstance(offset, list) else None  # the entropy's is 0: constant
         beta, lr, c = group["momentum"], group["lr"], self.compile
         return additive(t, grads, n=n, beta=beta, lr=lr, offset=prior, draw=draw, compile=c)
 

@@ -94,8 +94,6 @@ class AffineBLR(BLROptimizer):
 
     lie_group: DiagonalAffineGroup
 
-    draws_in_update = ("fresh",)  # a table serves ξ in place: drawn after the update
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -159,22 +157,18 @@ class AffineBLR(BLROptimizer):
         affine_draw(t.elements, xi, t.params)
         return xi
 
-    def _sample_value(self, group, elements, noise, out) -> None:
-        affine_draw(elements, noise, out)
-
     def _accumulate(self, group, t, noise, grads, first) -> None:
         affine_accumulate(t.accs, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
+    def _propose(self, group, t, n, sample, offset, draw) -> Proposal:
         lr = group["lr"]
-        entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
         return affine(
             t,
             sample,
             draw=draw,
             n=n,
             betas=(group["scale_momentum"], group["momentum"]),
-            offset=entropy if prior is None else prior,
+            offset=offset,
             lr=lr,
             scale_lr=lr * group["scale_ratio"],
             compile=self.compile,
@@ -189,7 +183,7 @@ def affine_move(
     g: Rows, u: Tensor, v: Tensor, lr: float | Tensor, scale_lr: float | Tensor
 ) -> tuple[Tensor, Tensor]:
     """(A e^{−α₂ u}, b − α₁ A v φ(−α₁ u)) for g = (A, b), both clamped to the finite range
-    (A > 0) for any step. φ is the group's :func:`~liegroup_blr.groups.affine.exprel` (a
+    (A > 0) for any step. φ is the group's :func:`~liegroup_blr.groups.exprel` (a
     Taylor series near 0: inductor's vectorised ``expm1`` on CPU is exp(x) − 1, which loses
     every digit there); e^x as 2^{x log₂e}, several times faster on CPU."""
     info = torch.finfo(g[0].dtype)

@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .base import BLROptimizer
-    from .state import GroupStateOptimizer
 
 __all__ = ["inverse_scale", "record_finite", "scaler_step"]
 
 
-def inverse_scale(optimizer: GroupStateOptimizer) -> float:
+class Scaled(Protocol):
+    """What these functions read of an optimizer (besides the ``grad_scale`` and ``found_inf``
+    a ``GradScaler.step`` sets on it)."""
+
+    grad_scaler: torch.amp.GradScaler | None
+    mc_samples: int
+
+    @property
+    def pending_samples(self) -> int: ...
+    def discard(self) -> None: ...
+
+
+def inverse_scale(optimizer: Scaled) -> float:
     """1 / the loss scale the gradients read now carry: that of a ``GradScaler.step``
     driving the step (1 once ``unscale_`` has taken it off), else that of the optimizer's
     enabled ``grad_scaler``, else 1."""
@@ -37,7 +45,7 @@ def inverse_scale(optimizer: GroupStateOptimizer) -> float:
     return 1.0 / scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
 
 
-def scaler_step(optimizer: BLROptimizer, closure: Callable[[], Any] | None) -> tuple[float, bool]:
+def scaler_step(optimizer: Scaled, closure: Callable[[], Any] | None) -> tuple[float, bool]:
     """The inverse loss scale of the gradients this step reads (:func:`inverse_scale`) and
     whether a ``GradScaler.step(optimizer)`` driving it found inf/NaN gradients; refused, in
     one line, where an inf in an earlier sample would escape that scaler."""

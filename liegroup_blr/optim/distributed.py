@@ -1,5 +1,4 @@
-"""Training over processes: one seed, rank 0's elements, summed algebra-gradient accumulators;
-sharded (DTensor) parameters.
+"""Training over processes: one seed, rank 0's elements, summed algebra-gradient accumulators.
 
 With ``process_group``, every process draws its own noise; before the update the accumulators
 (not ``p.grad``: the algebra gradients are nonlinear in each process's noise), sample counts
@@ -8,12 +7,7 @@ and non-finite flags are summed, so the group state stays identical everywhere.
 Without it, once ``torch.distributed`` is initialised (DistributedDataParallel, which averages
 ``p.grad``), every rank draws the same noise and starts from rank 0's elements: the ranks
 evaluate one sample on their parts of the batch, as one process on the global batch.
-
-Sharded parameters (DTensor: FSDP2's ``fully_shard``) keep their state as local shards, sharded
-like the parameter along its own dimensions (a stacked state (2, …) along the next one): the
-rules run on the local shards (:func:`local`), the initial state is the one process's, cut to
-the shard (:func:`shard_of`), the state dict holds DTensors again (:func:`as_dtensor`) and the
-ranks agree on every skip (:func:`agree`).
+Sharded (DTensor, FSDP2) parameters: :mod:`liegroup_blr.sharding`.
 """
 
 from __future__ import annotations
@@ -25,30 +19,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..sharding import SHARDED
 from .tensors import Deferred
 
 __all__ = [
-    "SHARDED",
-    "agree",
     "all_reduce_accumulators",
-    "as_dtensor",
     "broadcast_elements",
-    "check_sharded",
-    "local",
-    "local_grad",
     "refuse_averaged",
     "replicas",
-    "shard_of",
     "shared_seed",
 ]
-
-SHARDED: tuple[type[Any], ...] = ()
-"""Tensor types of sharded parameters (DTensor: FSDP2's ``fully_shard``)."""
-if dist.is_available():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    SHARDED = (DTensor,)
 
 
 def replicas(process_group: Any) -> Any:
@@ -115,78 +95,6 @@ def all_reduce_accumulators(
             t.copy_(summed)
     total, bad = counts.tolist()
     return int(total), bad == 0
-
-
-def local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (the tensor itself, no copy); any other tensor unchanged."""
-    return t._local_tensor if isinstance(t, SHARDED) else t
-
-
-def local_grad(grad: Any, p: Any) -> Tensor:
-    """The local shard of a sharded parameter ``p``'s gradient, redistributed to ``p``'s
-    placements first where they differ (a replicated bias added to a sharded product gets
-    a sharded gradient)."""
-    if isinstance(grad, SHARDED) and tuple(grad.placements) != tuple(p.placements):
-        grad = grad.redistribute(p.device_mesh, p.placements)
-    return local(grad)
-
-
-def shard_of(full: Tensor, p: Any) -> Tensor:
-    """The part of ``full`` (shape ``(*prefix, *p.shape)``) that the sharded parameter ``p``'s
-    local shard covers, as a view: ``full`` narrowed along each of p's dimensions to the
-    shard's global offset and length (uneven and empty shards included)."""
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    prefix = full.dim() - p.dim()
-    for d, (n, start) in enumerate(zip(shape, offset, strict=True)):
-        if n != p.shape[d]:
-            full = full.narrow(prefix + d, start, n)
-    return full
-
-
-def as_dtensor(state: Tensor, p: Any) -> Any:
-    """A local state tensor of the sharded parameter ``p`` (shape ``(*prefix, *local shape)``)
-    as the DTensor it is a shard of: sharded like ``p`` along p's own dimensions (no copy)."""
-    prefix = state.dim() - p.dim()
-    placements = [Shard(q.dim + prefix) if isinstance(q, Shard) else q for q in p.placements]
-    shape = torch.Size((*state.shape[:prefix], *p.shape))
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        state, p.device_mesh, placements, run_check=False, shape=shape, stride=stride
-    )
-
-
-def check_sharded(p: Any, group: Any, process_group: Any) -> None:
-    """Refuse, in one line naming the way out, a sharded parameter the rule cannot train
-    shard by shard.
-
-    Raises:
-        ValueError: ``process_group`` given, a placement other than Shard and Replicate, or
-            a Lie group that is not element-wise along the parameter's own dimensions.
-    """
-    if process_group is not None:
-        raise ValueError(
-            "process_group: not with sharded (DTensor, FSDP2) parameters, whose gradients "
-            "FSDP2 already averages; drop process_group= (each shard then draws its own "
-            "noise, one sample on the global batch)"
-        )
-    if any(not isinstance(q, (Shard, Replicate)) for q in p.placements):
-        raise ValueError(f"params: placements {p.placements} are not supported: Shard, Replicate")
-    shapes = (group.element_shape(p.shape), group.algebra_shape(p.shape), group.base_shape(p.shape))
-    if not group.elementwise or any(s[len(s) - p.dim() :] != p.shape for s in shapes):
-        raise ValueError(
-            f"params: {type(group).__name__} does not act element-wise along the parameter's "
-            "own dimensions, so a shard cannot be updated alone; sharded (DTensor, FSDP2) "
-            "parameters need an element-wise group (additive, multiplicative, diagonal affine)"
-        )
-
-
-def agree(ok: bool, p: Any) -> bool:
-    """Whether ``ok`` holds on every rank of the sharded parameter ``p``'s device mesh (one
-    all-reduce per mesh dimension): every rank takes or skips a step together."""
-    flag = torch.tensor(float(ok), device=p.device)
-    for dim in range(p.device_mesh.ndim):
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=p.device_mesh.get_group(dim))
-    return bool(flag.item())
 
 
 def refuse_averaged(deferred: dict[int, Deferred], process_group: Any) -> bool:

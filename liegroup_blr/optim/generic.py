@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributions import Distribution
 from typing_extensions import Unpack
 
-from ..fisher import algebra_gradient, entropy_gradient, inverse_metric
+from ..fisher import algebra_gradient, inverse_metric
 from ..groups import LieGroup
 from .base import BLROptimizer
 from .kernel_utils import compiled
@@ -122,7 +122,7 @@ class LieGroupBLR(BLROptimizer):
     ) -> None:
         self.init = init
         self.preconditioner = preconditioner
-        self._metrics: dict[tuple[Any, ...], Any] = {}  # preconditioners, entropy gradients
+        self._metrics: dict[tuple[Any, ...], Any] = {}  # preconditioners
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -136,6 +136,7 @@ class LieGroupBLR(BLROptimizer):
         )
 
     groups_per_param_group = True
+    entropy_as_number = False  # any group: −(τ/N)∇log|det J| per tensor
 
     def _validate(self, options: dict[str, Any]) -> None:
         G = options.get("group", self.lie_group)
@@ -165,21 +166,12 @@ class LieGroupBLR(BLROptimizer):
         generic_draw(self._group_of(group), t.elements, xi, t.params)
         return xi
 
-    def _sample_value(self, group, elements, noise, out) -> None:
-        generic_draw(self._group_of(group), elements, noise, out)
-
     def _accumulate(self, group, t, noise, grads, first) -> None:
         generic_accumulate(self._group_of(group), t.accs, t.elements, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample, prior, draw) -> Proposal | None:
+    def _propose(self, group, t, n, sample, offset, draw) -> Proposal | None:
         G = self._group_of(group)
-        weight = 0.0 if G.constant_entropy else group["temperature"]
-        weight = weight / group["data_size"] if weight else 0.0
-        offsets: list[Tensor | float] = (
-            [torch.mul(self._entropy_gradient(group, p), -weight) for p in t.params]
-            if prior is None and weight
-            else prior or [0.0] * len(t.params)
-        )
+        offsets = offset if isinstance(offset, list) else [offset] * len(t.params)
         return generic(
             G,
             t,
@@ -189,26 +181,13 @@ class LieGroupBLR(BLROptimizer):
             n=n,
             beta=group["momentum"],
             lr=group["lr"],
-            reference=[self._reference(group, p, t.mean) for p in t.params],
+            mean=t.mean,
             compile=self.compile,
         )
 
     def _write_point(self, group, params, elements, mean) -> None:
         G = self._group_of(group)
-        points = [self._reference(group, p, mean) for p in params]
-        generic_readout_(G, params, elements, points)
-
-    def _entropy_gradient(self, group: dict[str, Any], p: Tensor) -> Tensor:
-        r""":math:`\nabla_X \log|\det J_{g \exp X}|` at 0, the same for every g: the Jacobian of
-        the action does not depend on ξ, so :math:`\log|\det J_{gh}| = \log|\det J_g| +
-        \log|\det J_h|`; computed once at the identity per param group and shape."""
-        G = self._group_of(group)
-        return self._cached(
-            "entropy",
-            group,
-            p,
-            lambda: entropy_gradient(G, G.identity(p.shape, dtype=state_dtype(p), device=p.device)),
-        )
+        generic_readout_(G, params, elements, mean)
 
     def _cached(self, kind: str, group: dict[str, Any], p: Tensor, make: Callable[[], Any]) -> Any:
         """``make()``, made once per kind, param group and ``p``'s shape, dtype and device."""
@@ -287,7 +266,7 @@ def generic_draw(
 ) -> None:
     """θ = readout(g·ξ)."""
     for g, x, p in zip(elements, xi, params, strict=True):
-        p.copy_(G.readout(G.act(g, x)))
+        p.copy_(G.theta(g, x))
 
 
 def generic_accumulate(
@@ -309,11 +288,12 @@ def generic_accumulate(
 
 
 def generic_readout_(
-    G: LieGroup, params: list[Tensor], elements: list[Tensor], points: list[Tensor]
+    G: LieGroup, params: list[Tensor], elements: list[Tensor], mean: float | None
 ) -> None:
-    """θ ← readout(g · ξ₀), the point estimate at the base points ``points``."""
-    for p, g, xi0 in zip(params, elements, points, strict=True):
-        p.copy_(G.point_estimate(g, xi0))
+    """θ ← the group's point estimate of each element (:meth:`~liegroup_blr.groups.LieGroup.
+    point`: at the reference point, or at E[ξ] = ``mean``)."""
+    for p, g in zip(params, elements, strict=True):
+        p.copy_(G.point(g, mean, p.shape))
 
 
 def generic_update(
@@ -343,11 +323,9 @@ def generic_update(
     return proposals
 
 
-def _generic_commit(
-    G: LieGroup, t: GroupTensors, moved: list[Tensor], points: list[Tensor]
-) -> None:
+def _generic_commit(G: LieGroup, t: GroupTensors, moved: list[Tensor]) -> None:
     torch._foreach_copy_(t.elements, moved)
-    generic_readout_(G, t.params, t.elements, points)
+    generic_readout_(G, t.params, t.elements, t.mean)
 
 
 def generic(
@@ -360,12 +338,12 @@ def generic(
     n: int,
     beta: float,
     lr: float,
-    reference: list[Tensor],
+    mean: float | None,
     compile: bool,
 ) -> Proposal | None:
     """The generic rule's update of a param group (:func:`generic_update`, compiled under
     ``compile``); ``None`` rejects the step when a proposed element is not a valid one of
-    ``G`` (``check_element``); the point estimates are read at ``reference``."""
+    ``G`` (``check_element``); the point estimates are read at E[ξ] = ``mean`` if given."""
     rate: float | Tensor = lr
     kernel = generic_update
     if compile:
@@ -376,4 +354,4 @@ def generic(
     )
     if not all(G.check_element(g)[0] for g in moved):
         return None
-    return Proposal(t.accs + moved, commit=partial(_generic_commit, G, t, moved, reference))
+    return Proposal(t.accs + moved, commit=partial(_generic_commit, G, t, moved))

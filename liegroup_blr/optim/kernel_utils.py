@@ -17,7 +17,8 @@ LOG2E = math.log2(math.e)
 on CPU, with a relative error of about |x| times the dtype's epsilon)."""
 
 Rows = tuple[Tensor, ...]
-"""A tensor as compiled kernels take it: the rows (t[0], t[1], …) of a stacked tensor, or (t,)."""
+"""A tensor as compiled kernels take it, the rows (t[0], t[1], …) of a stacked tensor or
+(t,)."""
 
 _COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 

@@ -96,7 +96,7 @@ class MultiplicativeBLR(BLROptimizer):
 
     lie_group: MultiplicativeGroup
 
-    draws_in_update = ("fresh", "table")  # w = g ⊙ ξ is written either way
+    fuses_view_draws = True  # w = g ⊙ ξ is written either way
 
     def __init__(
         self,
@@ -163,8 +163,8 @@ class MultiplicativeBLR(BLROptimizer):
         multiplicative_draw(t.elements, xi, t.params, t.noise, signed=self.signed)
         return t.noise
 
-    def _sample_value(self, group, elements, noise, out) -> None:
-        multiplicative_readout_(out, noise, mean=None, signed=self.signed)  # noise: w = g ⊙ ξ
+    def _sample_value(self, group, element, noise) -> Tensor:
+        return self.lie_group.readout(noise)  # a sample's noise is w = g ⊙ ξ
 
     def _with_point(self, group, g, theta, xi0) -> Tensor:
         return self.lie_group.with_point(g, theta, xi0, offset=group["init_offset"])
@@ -172,15 +172,14 @@ class MultiplicativeBLR(BLROptimizer):
     def _accumulate(self, group, t, noise, grads, first) -> None:
         multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 
-    def _propose(self, group, t, n, sample, prior, draw) -> Proposal:
-        entropy = -group["temperature"] / group["data_size"] if group["temperature"] else 0.0
+    def _propose(self, group, t, n, sample, offset, draw) -> Proposal:
         return multiplicative(
             t,
             sample,
             draw=draw,
             n=n,
             beta=group["momentum"],
-            offset=entropy if prior is None else prior,
+            offset=offset,
             lr=group["lr"],
             signed=self.signed,
             compile=self.compile,

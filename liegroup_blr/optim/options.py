@@ -11,9 +11,10 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from ..noise import NoiseSource
     from ..posterior import Posterior
     from .prior import Prior
-    from .tensors import Deferred, GroupTensors, Sample
+    from .tensors import Deferred, GroupTensors
 
 __all__ = ["EngineOptions", "EngineState"]
 
@@ -28,10 +29,12 @@ class EngineOptions(TypedDict, total=False):
             initialised and no ``process_group`` is given (DDP), construction is a collective:
             rank 0's seed and elements are shared, every rank draws the same noise, and an
             explicit seed that differs between ranks is refused.
-        noise: ``"fresh"`` draws (default) or ``"table"``
-            (:class:`~liegroup_blr.noise.NoiseTable`: windows of pre-drawn noise).
-        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c).
-        table_size: values in each noise table.
+        noise: ``"fresh"`` draws (default), ``"table"``
+            (:class:`~liegroup_blr.noise.TableNoise`: windows of pre-drawn noise), or a
+            :class:`~liegroup_blr.noise.NoiseSource` (one of the library's or your own).
+        antithetic: pair consecutive training samples ξ, 2c − ξ (bases symmetric about c):
+            :class:`~liegroup_blr.noise.Antithetic` around the source.
+        table_size: values in each noise table (``noise="table"``).
         compile: run each update through ``torch.compile`` (one fused kernel per parameter;
             lr enters as a tensor, so schedules do not recompile).
         process_group: a ``torch.distributed`` group: every process draws its own noise, the
@@ -54,7 +57,7 @@ class EngineOptions(TypedDict, total=False):
     """
 
     seed: int | None
-    noise: str
+    noise: str | NoiseSource
     antithetic: bool
     table_size: int | None
     compile: bool
@@ -74,7 +77,7 @@ class EngineState:
 
     Attributes:
         samples: samples accumulated since the last update.
-        holding: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
+        block: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
         skipped: updates skipped for non-finite values, in all.
         consecutive: updates skipped in a row.
         pending: parameters with accumulated samples (a set, ordered).
@@ -82,9 +85,6 @@ class EngineState:
         tensors: each param group's tensors, gathered once per step (by index).
         marks: each trained parameter's gradient as the engine last saw it (a weak
             reference and the version counter), to tell gradients made since.
-        resident: the training sample the parameters hold between steps
-            (``between_steps="sample"``).
-        resident_rng: the noise generators' state from before the resident sample's draw.
         prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
         unaveraged: with ``process_group``, whether the processes' gradients were seen to
             differ (not averaged by DistributedDataParallel).
@@ -95,15 +95,13 @@ class EngineState:
     """
 
     samples: int = 0
-    holding: str = ""
+    block: str = ""
     skipped: int = 0
     consecutive: int = 0
     pending: dict[Tensor, None] = field(default_factory=dict)
     deferred: dict[int, Deferred] = field(default_factory=dict)
     tensors: dict[int, GroupTensors] = field(default_factory=dict)
     marks: dict[Tensor, tuple[Callable[[], Tensor | None], int]] = field(default_factory=dict)
-    resident: Sample | None = None
-    resident_rng: dict[str, Any] | None = None
     prior: Prior | None = None
     unaveraged: bool = False
     written: dict[Tensor, tuple[int, int]] = field(default_factory=dict)
@@ -134,10 +132,3 @@ class EngineState:
                 f"{name}: {row} consecutive steps skipped for non-finite values "
                 "(max_consecutive_skips): the run has diverged; lower the learning rate"
             )
-
-    def end_step(self) -> None:
-        """Forget the step's samples and tensors."""
-        self.samples = 0
-        self.pending.clear()
-        self.deferred.clear()
-        self.tensors.clear()

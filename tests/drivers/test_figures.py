@@ -1,0 +1,180 @@
+"""Figures that stand alone: each names its run (config, rule, seed), every mark is in its
+legend, colour that carries a value has a colour bar, and series that coincide stay apart
+(issue 32). The saved figures' artists are inspected."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import pytest
+import torch
+from matplotlib.collections import PolyCollection
+
+from experiments import compare, figures, train
+from tests.drivers.test_experiments import tiny_config
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """file name → the figure that would have been saved there."""
+    saved: dict[str, Any] = {}
+
+    def keep(fig: Any, path: Path) -> None:
+        saved[path.name] = fig
+
+    monkeypatch.setattr(figures, "_save", keep)
+    yield saved
+    matplotlib.pyplot.close("all")
+
+
+def legend_labels(ax: Any) -> list[str]:
+    legend = ax.get_legend()
+    return [] if legend is None else [t.get_text() for t in legend.get_texts()]
+
+
+def hatched(ax: Any, hatch: str) -> list[Any]:
+    return [p for p in ax.patches if p.get_hatch() == hatch]
+
+
+def test_reliability_diagram_puts_every_mark_in_its_legend(drawn: dict[str, Any]) -> None:
+    """Bins over-, under- and exactly calibrated: the red hatched gaps rise above the bars
+    where the confidence is higher, the black ones lie over them where it is lower."""
+    hist = {
+        "edges": torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0]),
+        "count": torch.tensor([0, 4, 5, 6]),
+        "accuracy": torch.tensor([0.0, 0.25, 0.8, 0.875]),
+        "confidence": torch.tensor([0.0, 0.4, 0.6, 0.875]),
+    }
+    figures.reliability_diagram({"at g": hist, "average": hist}, Path("r.png"), "cfg: rule")
+    fig = drawn["r.png"]
+    assert fig._suptitle.get_text() == "cfg: rule"
+    (legend,) = fig.legends  # one for both panels, below them
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "accuracy",
+        "gap up to mean confidence (overconfident)",
+        "gap down to it (underconfident)",
+        "perfect calibration",
+    ]
+    handles = legend.legend_handles
+    assert [h.get_hatch() for h in handles[:3]] == [None, "//", "\\\\"]
+    for ax in fig.axes:
+        (over,), (under,) = hatched(ax, "//"), hatched(ax, "\\\\")
+        assert (over.get_x(), over.get_y(), over.get_height()) == pytest.approx((0.25, 0.25, 0.15))
+        assert (under.get_x(), under.get_y(), under.get_height()) == pytest.approx((0.5, 0.6, 0.2))
+        assert len(ax.patches) == 3 + 2  # three filled bins, one gap each way
+
+
+@pytest.mark.parametrize(
+    ("channels", "signed", "cmap", "limits"),
+    [(1, True, "RdBu_r", (-1.0, 1.0)), (1, False, "gray", (0.0, 1.0)), (3, True, "gray", (-1, 1))],
+)
+def test_filter_grid_has_a_colour_bar_of_its_scale(
+    channels: int, signed: bool, cmap: str, limits: tuple[float, float], drawn: dict[str, Any]
+) -> None:
+    filters = torch.randn(5, channels, 4, 4, generator=torch.Generator().manual_seed(0))
+    figures.filter_grid(filters.abs() if not signed else filters, Path("f.png"), "t", signed)
+    fig = drawn["f.png"]
+    assert fig._suptitle.get_text() == "t"
+    bar = fig.axes[-1]  # the colour bar's axes, after the 4 × 8 grid
+    assert len(fig.axes) == figures.FILTER_ROWS * figures.FILTER_COLS + 1
+    assert "99th percentile of |w|" in bar.get_ylabel()
+    mappable = bar._colorbar.mappable
+    assert mappable.get_cmap().name == cmap
+    assert (mappable.norm.vmin, mappable.norm.vmax) == pytest.approx(limits)
+    if channels == 1:  # each panel's image uses the bar's map, scaled to its own limit
+        image = fig.axes[0].images[0]
+        assert image.get_cmap().name == cmap
+        assert image.norm.vmax == pytest.approx(figures.robust_limit(filters[0].abs().numpy()))
+
+
+def test_weight_magnitudes_are_small_multiples_that_coincide_readably(
+    drawn: dict[str, Any],
+) -> None:
+    """Four of five layers equal: one panel each, its own outline in colour over the others
+    in grey, so no rule hides under another."""
+    same = torch.randn(200, generator=torch.Generator().manual_seed(1))
+    weights = {name: same.clone() for name in ("sgd", "additive", "affine", "ivon")}
+    weights["multiplicative"] = 10 * same
+    figures.weight_magnitudes(weights, Path("w.png"), "cfg: weights, seed 0", 1e-3)
+    fig = drawn["w.png"]
+    assert fig._suptitle.get_text() == "cfg: weights, seed 0"
+    assert len(fig.axes) == 5
+    assert tuple(fig.get_size_inches()) == pytest.approx(figures.histogram_size(5))
+    for ax, name in zip(fig.axes, weights, strict=True):
+        assert legend_labels(ax) == ["the others", name, "near-zero threshold"]
+        outlines = [p for p in ax.patches if p.get_label() == name]
+        assert len(outlines) == 1 and outlines[0].get_edgecolor()[:3] != (0.7, 0.7, 0.7)
+        assert len(ax.patches) == 5  # its own and the four others'
+
+
+def test_learning_curves_of_coinciding_rules_differ_in_style(drawn: dict[str, Any]) -> None:
+    rows = [{"epoch": e, "test_accuracy": 0.5, "test_nll": 1.0} for e in range(1, 27)]
+    histories = {name: [rows, rows] for name in ("sgd", "additive", "multiplicative")}
+    figures.learning_curves(histories, Path("c.png"), "cpu_default, seeds 0, 1")
+    fig = drawn["c.png"]
+    assert fig._suptitle.get_text().startswith("cpu_default, seeds 0, 1: mean over the seeds")
+    for ax in fig.axes:
+        lines = ax.get_lines()
+        styles = {(line.get_linestyle(), line.get_marker()) for line in lines}
+        assert len(lines) == len(styles) == 3  # the same numbers, three distinct lines
+    assert legend_labels(fig.axes[0]) == [f"{n} (2 seeds)" for n in histories]
+    assert all(isinstance(band, PolyCollection) for band in fig.axes[0].collections)
+
+
+def test_learning_curves_show_the_training_loss_on_a_log_scale_where_rows_hold_it(
+    drawn: dict[str, Any],
+) -> None:
+    rows = [
+        {"epoch": e, "test_accuracy": 0.5, "test_nll": 1.0, "train_loss": 2.0**-e}
+        for e in range(1, 5)
+    ]
+    figures.learning_curves({"sgd": [rows]}, Path("t.png"), "cnn, seed 0")
+    fig = drawn["t.png"]
+    assert len(fig.axes) == 3
+    loss = fig.axes[2]
+    assert loss.get_yscale() == "log" and "training loss" in loss.get_ylabel()
+    assert loss.get_lines()[0].get_ydata().tolist() == [0.5, 0.25, 0.125, 0.0625]
+
+
+def test_entropy_histograms_name_the_run_and_differ_in_style(drawn: dict[str, Any]) -> None:
+    entropy = torch.rand(50, generator=torch.Generator().manual_seed(2))
+    sets = {"test inputs": entropy, "rotated": entropy, "noise": entropy}
+    figures.entropy_histograms({"at g": sets}, Path("o.png"), "cfg: sgd, seed 3")
+    fig = drawn["o.png"]
+    assert fig._suptitle.get_text() == "cfg: sgd, seed 3"
+    (ax,) = fig.axes
+    assert legend_labels(ax) == list(sets)
+    assert len({p.get_linestyle() for p in ax.patches}) == 3
+
+
+def test_every_figure_of_a_run_names_its_config_rule_and_seed(
+    tmp_path: Path, drawn: dict[str, Any]
+) -> None:
+    cfg = {**tiny_config(optimizer="multiplicative"), "seed": 3}
+    train.train(cfg, tmp_path / "tiny_cfg")
+    assert set(drawn) == {
+        "reliability.png",
+        "ood.png",
+        "weights.png",
+        "filters.png",
+        "filters_excitatory.png",
+        "filters_inhibitory.png",
+    }
+    for name, fig in drawn.items():
+        assert fig._suptitle.get_text().startswith("tiny_cfg: multiplicative, seed 3: "), name
+
+
+def test_every_figure_of_a_comparison_names_it(tmp_path: Path, drawn: dict[str, Any]) -> None:
+    raw = tiny_config(schedule={"epochs": 1, "warmup": 0})
+    del raw["optimizer"], raw["seed"]
+    raw["seeds"] = [4]
+    raw["runs"] = {"plain": {"optimizer": {"name": "sgd", "lr": 0.05}}}
+    raw["runs"]["gauss"] = {"optimizer": {"name": "affine", "lr": 0.5, "scale_lr": 0.05}}
+    compare.compare(copy.deepcopy(raw), tmp_path / "my_config")
+    titles = {name: fig._suptitle.get_text() for name, fig in drawn.items()}
+    assert titles["learning_curves.png"].startswith("my_config, seed 4: ")
+    assert titles["weight_magnitudes.png"].startswith("my_config: first-layer weight magnitudes")
+    assert titles["reliability.png"].startswith("my_config: gauss (affine), seed 4: ")

@@ -1,0 +1,264 @@
+"""The optimizer package stays readable: a step walks few calls through few files, each rule
+picks its implementation in one dispatcher, and no module grows past a page count."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import liegroup_blr as lgb
+
+PACKAGE = Path(lgb.__file__).resolve().parent
+RULES = {
+    "additive": lambda ps: lgb.AdditiveBLR(ps, lr=0.05, data_size=100),
+    "multiplicative": lambda ps: lgb.MultiplicativeBLR(
+        ps, lr=1.0, temperature=0.006, data_size=100
+    ),
+    "affine": lambda ps: lgb.AffineBLR(ps, lr=1.0, scale_lr=0.05, data_size=100),
+}
+
+
+def _package_file(code) -> str | None:
+    path = os.path.realpath(code.co_filename)
+    return path if path.startswith(str(PACKAGE) + os.sep) else None
+
+
+def count_calls(step) -> tuple[int, int]:
+    """Calls into liegroup_blr while ``step()`` runs (comprehensions and generator expressions
+    left out), and how many of them cross from one file into another: the callee's file is
+    not that of the nearest enclosing liegroup_blr frame (a call from outside counts)."""
+    calls = crossings = 0
+
+    def tracer(frame, event, arg):
+        nonlocal calls, crossings
+        if event != "call" or frame.f_code.co_name.startswith("<"):
+            return None
+        callee = _package_file(frame.f_code)
+        if callee is None:
+            return None
+        back = frame.f_back
+        while back is not None and _package_file(back.f_code) is None:
+            back = back.f_back
+        calls += 1
+        crossings += back is None or _package_file(back.f_code) != callee
+        return None
+
+    sys.settrace(tracer)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+    return calls, crossings
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_one_eager_step_walks_at_most_30_calls_through_15_file_crossings(rule):
+    """One ``step(closure)`` with the default options (fresh noise, one sample, no antithetic
+    pairs) on a small MLP: the engine gathers the lists once and each rule calls its
+    dispatcher (80 calls and 51 crossings before the rebuild)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    opt = RULES[rule](model.parameters())
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)  # the first step makes the state and buffers
+    before = {p: opt.state[p]["element"].clone() for p in model.parameters()}
+    calls, crossings = count_calls(lambda: opt.step(closure))
+    assert all(not torch.equal(before[p], opt.state[p]["element"]) for p in model.parameters())
+    assert calls <= 30, f"{calls} calls into liegroup_blr"
+    assert crossings <= 15, f"{crossings} file crossings"
+
+
+def test_the_call_counter_counts_calls_and_crossings():
+    """The counter itself: two calls from outside into the package, each calling the same
+    file twice more, and the comprehension around them left out."""
+    table = lgb.noise.NoiseTable(torch.distributions.Normal(0.0, 1.0), 64, seed=0)
+    calls, crossings = count_calls(lambda: [table.window(8, i) for i in range(2)])
+    assert (calls, crossings) == (6, 2)  # window → size, size; only the entries cross
+
+
+RULE_MODULES = ["additive.py", "multiplicative.py", "affine.py", "generic.py"]
+
+
+@pytest.mark.parametrize("module", RULE_MODULES)
+def test_rule_classes_do_not_branch_on_compile(module):
+    """The choice between the eager and the compiled implementation is the dispatcher's."""
+    tree = ast.parse((PACKAGE / "optim" / module).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for test in (n.test for n in ast.walk(node) if isinstance(n, (ast.If, ast.IfExp))):
+                names = {a.attr for a in ast.walk(test) if isinstance(a, ast.Attribute)}
+                assert "compile" not in names, f"{module}: {node.name} branches on compile"
+
+
+# ---------------------------------------------------------------- the import tree
+ROOT = PACKAGE.parent
+
+
+def module_name(path: Path) -> str:
+    """``liegroup_blr.optim.base`` of ``liegroup_blr/optim/base.py`` (a package: its name)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """Every import of the file, at any depth (type-checking blocks and functions included):
+    (the module imported from, the names taken), relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.append((target, [alias.name for alias in node.names]))
+    return found
+
+
+def package_graph(root: Path, name: str) -> dict[str, set[str]]:
+    """Module → the modules of the package ``name`` it imports (a name taken from a package
+    that is one of its modules counts as that module)."""
+    files = {module_name(p): p for p in (root / name).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        edges = set()
+        for target, names in imports(path):
+            if target not in files:
+                continue
+            taken = [f"{target}.{n}" for n in names if f"{target}.{n}" in files]
+            edges.update(taken or [target])
+        graph[module] = edges - {module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_circle_finder_finds_a_circle_and_no_more():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_imports_form_a_tree():
+    """No circle among the package's modules, counting every import: type-checking blocks and
+    imports inside functions included (the optimizers and the posterior, the noise and the
+    sharding helpers, once were one circle of 14 files)."""
+    assert circles(package_graph(ROOT, "liegroup_blr")) == []
+
+
+def test_nothing_below_the_optimizers_imports_them():
+    graph = package_graph(ROOT, "liegroup_blr")
+    below = ["distributions", "sharding", "groups", "noise", "posterior", "posterior_io", "kl"]
+    for name in below:
+        module = f"liegroup_blr.{name}"
+        reached, todo = set(), [module]
+        while todo:
+            for w in graph[todo.pop()] - reached:
+                reached.add(w)
+                todo.append(w)
+        assert not any(m.startswith("liegroup_blr.optim") for m in reached), name
+
+
+def public(module: str, name: str) -> bool:
+    """Whether ``module.name`` is public: ``name`` in the module's ``__all__`` (a module: in its
+    package's), and the module itself public all the way up."""
+    if name.startswith("_"):
+        return False
+    obj = importlib.import_module(module)
+    listed = name in getattr(obj, "__all__", ())
+    parent, _, last = module.rpartition(".")
+    return listed and (not parent or public(parent, last))
+
+
+def test_drivers_and_benchmarks_import_only_public_names():
+    """experiments/ uses the library through its public ``__all__``s only."""
+    private = []
+    for path in (ROOT / "experiments").rglob("*.py"):
+        for target, names in imports(path):
+            if target == "liegroup_blr" or target.startswith("liegroup_blr."):
+                for name in names or [target.rpartition(".")[2]]:
+                    owner = target if names else target.rpartition(".")[0]
+                    if owner and not public(owner, name):
+                        private.append(f"{path.relative_to(ROOT)}: {owner}.{name}")
+    assert not private
+
+
+def test_no_private_name_is_imported_across_packages():
+    """Inside the library a module takes underscore names only from its own package."""
+    crossing = []
+    for path in PACKAGE.rglob("*.py"):
+        own = (
+            module_name(path).rpartition(".")[0]
+            if path.name != "__init__.py"
+            else module_name(path)
+        )
+        for target, names in imports(path):
+            if (
+                target.startswith("liegroup_blr")
+                and target.rpartition(".")[0] != own
+                and target != own
+            ):
+                crossing += [f"{path.name}: {target}.{n}" for n in names if n.startswith("_")]
+    assert not crossing
+
+
+def test_what_the_parameters_hold_is_never_compared_as_a_string():
+    """``between_steps`` picks a holding once, at construction; nothing compares it after."""
+    compared = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                names = {
+                    n.attr if isinstance(n, ast.Attribute) else n.id
+                    for n in ast.walk(node)
+                    if isinstance(n, (ast.Attribute, ast.Name))
+                }
+                if "between_steps" in names:
+                    compared.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not compared
