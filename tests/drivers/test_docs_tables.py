@@ -251,7 +251,8 @@ def _table_of(page: str, spec: Table) -> dict[str, Any]:
     head = "| " + " | ".join([h for h, _ in spec.text] + [m.header for m in spec.metrics]) + " |"
     lines = page.splitlines()
     start = lines.index(head)
-    rows = lines[start + 2 : lines.index("", start)]
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    rows = lines[start + 2 : end]  # up to a blank line or the table's end marker
     assert len(rows) == len(spec.rows)
     labels: dict[str, Any] = {}
     for (label, estimate, cells), line in zip(spec.rows, rows, strict=True):
