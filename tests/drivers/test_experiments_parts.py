@@ -18,7 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from experiments import data, models, sparsity
+import liegroup_blr as lgb
+from experiments import data, evaluate, models, sparsity
 from experiments.optimizers import lr_factor
 
 # ----------------------------------------------------------------------------- data
@@ -392,3 +393,38 @@ def test_a_helper_module_answers_on_the_real_command_line() -> None:
     )
     assert done.returncode == 0 and done.stderr == ""
     assert "python -m experiments.train CONFIG.toml" in done.stdout
+
+
+# --------------------------------------------------------------- the reports' point estimates
+@pytest.mark.parametrize("rule", ["additive", "affine", "multiplicative"])
+def test_the_posterior_mean_is_reported_where_it_is_not_g(rule: str) -> None:
+    """:func:`experiments.evaluate.posterior_mean` reads the posterior at E[θ] =
+    readout(g·E[ξ]): for the multiplicative rule with a Rayleigh(1) base that is
+    E[ξ] = √(π/2) times g⁺ − g⁻ (closed form), in every parameter; for the additive and
+    affine rules with centred bases E[θ] is the point estimate at g, so there is no second
+    row (None); nor for SGD."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    optimizer = {
+        "additive": lambda: lgb.AdditiveBLR(model.parameters(), lr=0.1),
+        "affine": lambda: lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.01, data_size=10),
+        "multiplicative": lambda: lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10),
+    }[rule]()
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    mean = evaluate.posterior_mean(model, optimizer)
+    assert evaluate.posterior_mean(model, torch.optim.SGD(model.parameters(), lr=0.1)) is None
+    if rule != "multiplicative":
+        assert mean is None
+        return
+    assert mean is not None
+    at_g = lgb.Posterior.from_optimizer(optimizer, model).point_estimates()
+    for name, theta in mean.point_estimates().items():
+        torch.testing.assert_close(theta, math.sqrt(math.pi / 2) * at_g[name])
