@@ -368,6 +368,6 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.config", __doc__, ("train", "compare", "tune")))
+    raise SystemExit(usage.helper("experiments.config", __doc__, ("train", "compare", "tune")))

@@ -271,6 +271,6 @@ def _sizes(sizes: Sequence[int]) -> str:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.continual_report", __doc__, ("continual",)))
+    raise SystemExit(usage.helper("experiments.continual_report", __doc__, ("continual",)))

@@ -421,6 +421,6 @@ def test_batches(
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.data", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.data", __doc__, ("train", "compare")))

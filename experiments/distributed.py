@@ -205,6 +205,6 @@ def leave() -> None:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.distributed", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.distributed", __doc__, ("train", "compare")))

@@ -229,6 +229,6 @@ def plot_first_layer(
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.evaluate", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.evaluate", __doc__, ("train", "compare")))

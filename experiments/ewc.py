@@ -118,6 +118,6 @@ class OnlineEWC:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.ewc", __doc__, ("continual",)))
+    raise SystemExit(usage.helper("experiments.ewc", __doc__, ("continual",)))

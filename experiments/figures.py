@@ -438,6 +438,6 @@ def average_accuracy(
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.figures", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.figures", __doc__, ("train", "compare")))

@@ -26,7 +26,7 @@ import torchopt
 from torch import Tensor, nn
 from torch.nn.functional import cross_entropy
 
-from experiments.optimizers import Batch, BatchOptimizer
+from experiments.batches import Batch, BatchOptimizer
 
 
 class MeanFieldVI(BatchOptimizer):
@@ -136,6 +136,6 @@ class MeanFieldVI(BatchOptimizer):
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.meanfield", __doc__, ("peers", "compare")))
+    raise SystemExit(usage.helper("experiments.meanfield", __doc__, ("peers", "compare")))

@@ -197,6 +197,6 @@ def build_model(
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.models", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.models", __doc__, ("train", "compare")))

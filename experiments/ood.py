@@ -63,6 +63,6 @@ def shifted_inputs(inputs: Sequence[Tensor], seed: int = 0) -> dict[str, list[Te
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.ood", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.ood", __doc__, ("train", "compare")))

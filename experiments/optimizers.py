@@ -124,20 +124,6 @@ class IVON(ivon.IVON):
         self.current_step = int(step)
 
 
-Batch = tuple[nn.Module, torch.Tensor, torch.Tensor]
-"""A model and a minibatch (inputs, labels)."""
-
-
-class BatchOptimizer(torch.optim.Optimizer):
-    """An optimizer that computes its own gradients from the minibatch, as a functional
-    library's update does (posteriors'): the training loop calls ``step(batch=(model, x, y))``
-    in place of ``step(closure)``."""
-
-    def step(self, closure: Any = None, *, batch: Batch | None = None) -> float:  # type: ignore[override]
-        """One update on the minibatch ``(x, y)`` of ``model``; returns its loss."""
-        raise NotImplementedError
-
-
 def build_optimizer(
     cfg: dict[str, Any],
     params: Iterable[nn.Parameter],
@@ -231,6 +217,6 @@ def lr_factor(epoch: int, epochs: int, warmup: int) -> float:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.optimizers", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.optimizers", __doc__, ("train", "compare")))

@@ -112,6 +112,6 @@ class Progress:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.progress", __doc__, ("compare", "tune")))
+    raise SystemExit(usage.helper("experiments.progress", __doc__, ("compare", "tune")))

@@ -171,6 +171,6 @@ def remove_leftovers(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.runfiles", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.runfiles", __doc__, ("train", "compare")))

@@ -71,6 +71,6 @@ def sparsity(weight: Tensor) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.sparsity", __doc__, ("train", "compare")))
+    raise SystemExit(usage.helper("experiments.sparsity", __doc__, ("train", "compare")))

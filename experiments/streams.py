@@ -138,6 +138,6 @@ class Head(nn.Module):
 
 
 if __name__ == "__main__":
-    from experiments import cli
+    from experiments import usage
 
-    raise SystemExit(cli.helper("experiments.streams", __doc__, ("continual",)))
+    raise SystemExit(usage.helper("experiments.streams", __doc__, ("continual",)))

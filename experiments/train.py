@@ -34,11 +34,12 @@ from tqdm import tqdm
 import liegroup_blr as lgb
 from experiments import cli, distributed, runfiles
 from experiments import config as config_module
+from experiments.batches import BatchOptimizer
 from experiments.data import Dataset, load_dataset, test_batches, train_batches, validation_split
 from experiments.distributed import Processes
 from experiments.evaluate import evaluate
 from experiments.models import build_model
-from experiments.optimizers import IVON, BatchOptimizer, build_optimizer, lr_factor
+from experiments.optimizers import IVON, build_optimizer, lr_factor
 from liegroup_blr import predictive
 from liegroup_blr.mc import mc_step
 
@@ -277,7 +278,7 @@ def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
 
     With ``vectorize`` or ``batch_split > 1`` the samples go through
     :func:`liegroup_blr.mc.mc_step` (vmap over samples; each sample on its own slice of the
-    batch, the reference's ``batchsplit``); a :class:`~experiments.optimizers.BatchOptimizer`
+    batch, the reference's ``batchsplit``); a :class:`~experiments.batches.BatchOptimizer`
     takes the minibatch itself; else through ``optimizer.step(closure)``.
     """
     ocfg = run.cfg["optimizer"]
