@@ -58,6 +58,16 @@ def run(
     return 0
 
 
+def parse_seeds(text: str) -> list[int]:
+    """The value of ``--seeds``: comma-separated integers."""
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise config_module.ConfigError(
+            f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}"
+        ) from None
+
+
 def _message(err: Exception) -> str:
     """One line: the file and the reason for a file-system error, else the message."""
     if isinstance(err, OSError) and err.filename is not None:

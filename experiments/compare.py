@@ -20,10 +20,8 @@ and takes changes to runs that have not finished (a started one starts again fro
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -31,14 +29,13 @@ from typing import Any
 
 import torch
 
-from experiments import cli, distributed, figures, runfiles
+from experiments import cli, distributed, figures, runfiles, skeleton
 from experiments import config as config_module
 from experiments import train as train_module
-from experiments.data import Dataset, DatasetNotFoundError
 from experiments.ood import SHIFTS
-from experiments.progress import Planned, Progress
+from experiments.skeleton import CHECKPOINT
 from experiments.sparsity import NEAR_ZERO, init_scale
-from experiments.train import CHECKPOINT, METRICS, RESULTS, train
+from experiments.train import METRICS
 
 # A report column: header, how to read the number from a run's results at an estimate
 # ("point" or "average"), the factor it is shown with and its decimals.
@@ -75,35 +72,6 @@ TABLES: dict[str, list[Column]] = {
         (shift, _ood(shift), 1.0, 3) for shift in SHIFTS
     ],
 }
-
-
-def seed_list(raw: dict[str, Any], seeds: Sequence[int] | None = None) -> list[int]:
-    """The seeds of a comparison: ``seeds`` if given, else the config's ``seeds`` list, else
-    its single ``seed`` (default 0)."""
-    if seeds is None:
-        if "seeds" in raw and "seed" in raw:
-            raise config_module.ConfigError("give either 'seed' or 'seeds', not both")
-        seeds = raw.get("seeds", [raw.get("seed", 0)])
-    if (
-        not isinstance(seeds, (list, tuple))
-        or not seeds
-        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
-        or len(set(seeds)) != len(seeds)
-    ):
-        raise config_module.ConfigError(
-            f"seeds must be a non-empty list of distinct integers, got {seeds!r}"
-        )
-    return list(seeds)
-
-
-def run_configs(
-    raw: dict[str, Any], seeds: Sequence[int] | None = None
-) -> dict[str, dict[int, dict[str, Any]]]:
-    """The resolved config of every run label and seed: label → seed → run config."""
-    seeds = seed_list(raw, seeds)
-    shared = {k: v for k, v in raw.items() if k not in ("seed", "seeds")}
-    per_seed = {s: config_module.split_runs({**shared, "seed": s}) for s in seeds}
-    return {label: {s: per_seed[s][label] for s in seeds} for label in per_seed[seeds[0]]}
 
 
 def summarise(values: Sequence[Any]) -> Any:
@@ -283,160 +251,16 @@ def compare(
 ) -> dict[str, Any]:
     """Train every run of a comparison config for every seed into ``out/LABEL/seedS`` and write
     the report (rank 0 of a torchrun writes; the other processes train alongside and return
-    ``{}``). Every run is checked before the first trains (:func:`check_runs`). Returns label
+    ``{}``). Every run is checked before the first trains
+    (:func:`experiments.train.check_runs`). Returns label
     → ``{"seeds", "summary", "per_seed"}``."""
     out = Path(out)
-    configs = run_configs(raw, seeds)
+    configs = config_module.run_configs(raw, seeds)
     processes = distributed.from_environment()
-    train_module.on_every_process(partial(check_runs, configs, "runs" in raw), processes)
+    check = partial(train_module.check_runs, configs, "runs" in raw)
+    train_module.on_every_process(check, processes)
     with runfiles.locked(out) if processes.main else contextlib.nullcontext(out):
         return _compare(configs, out, resume, processes)
-
-
-def check_runs(configs: dict[str, dict[int, dict[str, Any]]], labelled: bool = True) -> None:
-    """Raise what any run of ``configs`` would raise when it starts (:func:`train.check
-    <experiments.train.check>`: its data, device and every value its optimizer checks),
-    before any trains or writes; the error names the run (``[runs.LABEL]: ...``) if the
-    config is ``labelled`` by [runs] tables. Each dataset is loaded once; a label's seeds
-    differ in the seed alone, so its first is checked."""
-    datasets: dict[str, Dataset] = {}
-    for label, by_seed in configs.items():
-        cfg = next(iter(by_seed.values()))
-        try:
-            key = json.dumps(cfg["data"], sort_keys=True)
-            if key not in datasets:
-                datasets[key] = train_module.load_data(cfg["data"])
-            train_module.check(cfg, datasets[key], distributed.from_environment(cfg["parallel"]))
-        except (ValueError, DatasetNotFoundError) as err:
-            raise config_module.ConfigError(
-                f"[runs.{label}]: {err}" if labelled else str(err)
-            ) from None
-
-
-def _refuse_other_files(out: Path, resume: bool) -> None:
-    """Refuse a folder with files without ``resume``, or with files but no config.json."""
-    held = runfiles.contents(out)
-    if held and not resume:
-        raise FileExistsError(
-            f"{out} already holds files {held}; pass --resume to continue the comparison "
-            "there, or choose another --out"
-        )
-    if held and not (out / "config.json").exists():
-        raise FileExistsError(f"{out} holds {held} but no comparison to resume (no config.json)")
-
-
-def check_folder(out: Path, written: dict[str, Any], resume: bool) -> None:
-    """Refuse a folder with files (without ``resume``) or with another comparison's config."""
-    _refuse_other_files(out, resume)
-    if resume and (out / "config.json").exists():
-        if runfiles.read_json(out / "config.json") != written:
-            raise config_module.ConfigError(
-                f"the config differs from the one {out} was run with ({out / 'config.json'}); "
-                "resume with that config or choose another --out"
-            )
-
-
-def _state(folder: Path) -> str:
-    """``"finished"`` (its results written), ``"started"`` (a checkpoint) or ``"new"``."""
-    if (folder / RESULTS).exists():
-        return "finished"
-    started = (folder / CHECKPOINT).exists() or any(folder.glob("checkpoint.rank*.pt"))
-    return "started" if started else "new"
-
-
-def changed_runs(out: Path, before: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, str]]:
-    """The runs (label, seed) of ``now`` whose config differs from ``before`` (label → seed →
-    config, as in config.json); refuses a finished run among them, and a started run that
-    ``now`` drops."""
-    keys = {(label, seed) for runs in (before, now) for label in runs for seed in runs[label]}
-    changed, refused = [], []
-    for label, seed in sorted(keys):
-        old, new = before.get(label, {}).get(seed), now.get(label, {}).get(seed)
-        if old == new:
-            continue
-        state = _state(out / label / f"seed{seed}")
-        if state == "finished" or (new is None and state == "started"):
-            refused.append(f"{label!r} seed {seed} ({state}{', dropped' if new is None else ''})")
-        elif new is not None:
-            changed.append((label, seed))
-    if refused:
-        raise config_module.ConfigError(
-            f"the config changes run(s) {', '.join(refused)} of {out}: a run may change only "
-            f"until it finishes (a started one starts again); resume with the config in "
-            f"{out / 'config.json'} for those runs, or choose another --out"
-        )
-    return changed
-
-
-def prepare_folder(out: Path, written: dict[str, Any], resume: bool) -> None:
-    """Check ``out`` for the runs of ``written`` (label → seed → config) and write its
-    config.json (call with the folder locked).
-
-    Without ``resume`` the folder must be empty. With it, a run may change its config only
-    if it has not finished: one that has started begins again from scratch (said in one
-    line), one that has not loses any files it left.
-    """
-    _refuse_other_files(out, resume)
-    if resume and (out / "config.json").exists():
-        for label, seed in changed_runs(out, runfiles.read_json(out / "config.json"), written):
-            folder = out / label / f"seed{seed}"
-            if _state(folder) == "started":
-                print(
-                    f"== run {label!r}, seed {seed}: its config changed, it starts again",
-                    flush=True,
-                )
-            train_module.clear(folder)
-    runfiles.remove_leftovers(out)
-    runfiles.write_json(out / "config.json", written)
-
-
-def plan(
-    configs: dict[str, dict[int, dict[str, Any]]], out: Path, resume: bool
-) -> dict[tuple[str, int], Planned]:
-    """The runs ahead (:class:`~experiments.progress.Planned`): their epochs, gradient
-    evaluations per step as their cost, and with ``resume`` the epochs done in ``out``."""
-    runs = {}
-    for label, by_seed in configs.items():
-        for seed, cfg in by_seed.items():
-            folder = out / label / f"seed{seed}"
-            runs[label, seed] = Planned(
-                label,
-                cfg["schedule"]["epochs"],
-                cfg["optimizer"].get("mc_samples", 1),
-                len(runfiles.read_jsonl(folder / METRICS)) if resume else 0,
-                resume and _state(folder) == "finished",
-            )
-    return runs
-
-
-def train_all(
-    configs: dict[str, dict[int, dict[str, Any]]],
-    out: Path,
-    resume: bool,
-    main: bool = True,
-    trainer: Callable[..., Any] = train,
-) -> dict[str, dict[str, Any]]:
-    """Train every run and seed of ``configs`` in turn into ``out/LABEL/seedS`` with
-    ``trainer`` (:func:`~experiments.train.train` or one like it); the ``main`` process
-    prints the runs done, the time elapsed and the time left after every epoch and run.
-    Returns label → seed → results."""
-    progress = Progress(plan(configs, out, resume))
-    per_seed: dict[str, dict[str, Any]] = {label: {} for label in configs}
-    for label, by_seed in configs.items():
-        for seed, cfg in by_seed.items():
-            rule = cfg["optimizer"]["name"]
-            print(f"== run {label!r} ({rule}), seed {seed}", flush=True)
-            tic = time.perf_counter()
-            per_seed[label][str(seed)] = trainer(
-                cfg,
-                out / label / f"seed{seed}",
-                resume,
-                progress=partial(progress.epoch, (label, seed)) if main else None,
-                title=f"{out.name}: {label}{f' ({rule})' if rule != label else ''}, seed {seed}",
-            )
-            done = f"== run {label!r}, seed {seed} done in {time.perf_counter() - tic:.1f}s"
-            print(done + (f"; {progress.end((label, seed))}" if main else ""), flush=True)
-    return per_seed
 
 
 def _compare(
@@ -446,10 +270,12 @@ def _compare(
     processes: distributed.Processes,
 ) -> dict[str, Any]:
     """:func:`compare` with the folder locked: check it, write its config, train, report."""
-    written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
-    prepare = partial(prepare_folder, out, written, resume) if processes.main else lambda: None
-    train_module.on_every_process(prepare, processes)  # no process trains before it is done
-    per_seed = train_all(configs, out, resume, processes.main)
+    written = skeleton.written(configs)
+    prepare = partial(skeleton.prepare_folder, out, written, resume)
+    train_module.on_every_process(
+        prepare if processes.main else lambda: None, processes
+    )  # no process trains before it is done
+    per_seed = skeleton.run_all(configs, out, resume, train_module.RUNNER, processes.main)
     if not processes.main:
         return {}
     seed_names = [int(s) for s in per_seed[next(iter(configs))]]
@@ -478,8 +304,7 @@ def _compare(
         f"{out.name}: first-layer weight magnitudes at g, seed {seed_names[0]}",
         NEAR_ZERO * init_scale(first_weight),
     )
-    runfiles.write_json(out / "results.json", results)
-    runfiles.write_text(out / "report.md", report(configs, results, out) + "\n")
+    skeleton.write_report(out, results, report(configs, results, out))
     return results
 
 
@@ -488,17 +313,8 @@ def _show(results: dict[str, Any], out: Path) -> None:
     print(f"report in {out}")
 
 
-def parse_seeds(text: str) -> list[int]:
-    try:
-        return [int(s) for s in text.split(",")]
-    except ValueError:
-        raise config_module.ConfigError(
-            f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}"
-        ) from None
-
-
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, parse_seeds)
+    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import copy
 import json
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,34 +185,82 @@ def _choice(where: str, name: Any, valid: Mapping[str, Any] | tuple[str, ...]) -
         raise ConfigError(f"unknown {where} {name!r}; valid choices: {sorted(valid)}")
 
 
-def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate a run config and fill in every default (the resolved config)."""
-    keys = set(TOP_LEVEL) | set(SECTIONS)
-    if "runs" in raw:
-        raise ConfigError("this is a comparison config ([runs] tables): use experiments.compare")
+def check_keys(raw: Mapping[str, Any], keys: set[str]) -> None:
+    """The top level of a config holds only ``keys``."""
     unknown = sorted(set(raw) - keys)
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
-    cfg = fill("the top level", {k: raw[k] for k in TOP_LEVEL if k in raw}, TOP_LEVEL)
+
+
+def top_level(raw: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of ``schema`` (``seed``, ``device``, ``threads`` and a driver's own) filled
+    from ``raw``'s top level, the seed, device and threads checked."""
+    cfg = fill("the top level", {k: raw[k] for k in schema if k in raw}, schema)
     _choice("device", cfg["device"], DEVICES)
+    if not 0 <= cfg["seed"] < 2**32:
+        raise ConfigError(f"seed must be in [0, 2**32 - 1], got {cfg['seed']}")
+    if cfg["threads"] < 0:
+        raise ConfigError(f"threads must be >= 0 (0: torch's default), got {cfg['threads']}")
+    return cfg
+
+
+def table(raw: Mapping[str, Any], name: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The table ``[name]`` of ``raw`` (empty if absent) completed with ``schema``'s defaults."""
+    given = raw.get(name, {})
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"[{name}] must be a table, got {given!r}")
+    return fill(f"[{name}]", given, schema)
+
+
+def check_least(cfg: Mapping[str, Any], least: Sequence[tuple[str, str, int]]) -> None:
+    """Each (table, key, least value) of ``least`` holds where the table has the key (a list:
+    in every entry)."""
+    for section, key, low in least:
+        value = cfg[section].get(key)
+        items = value if isinstance(value, list) else [value]
+        if value is not None and any(item < low for item in items):
+            every = " in every entry" if isinstance(value, list) else ""
+            raise ConfigError(f"[{section}].{key} must be >= {low}{every}, got {value}")
+
+
+def check_label(label: str, what: str = "run") -> None:
+    """A label names a folder: a plain name inside the driver's folder."""
+    if not LABEL.fullmatch(label):
+        raise ConfigError(
+            f"{what} label {label!r} is not a plain folder name: use letters, digits, "
+            f"'_', '-', '+', '.', not starting with '.' (each {what} trains into OUT/LABEL)"
+        )
+
+
+def _schema(section: str, given: Any) -> dict[str, Any]:
+    """The keys of ``[section]`` of a run config: its own and those of its ``name``."""
+    schema = SECTIONS[section]
+    if section not in OPTIONS or not isinstance(given, Mapping):
+        return schema  # a value that is not a table is refused by table()
+    if "name" not in given:
+        raise ConfigError(f"missing required key 'name' in [{section}]")
+    valid, options = OPTIONS[section]
+    _choice(section.replace("data", "dataset"), given["name"], valid)
+    return {**schema, **options(str(given["name"]))}
+
+
+OPTIONS: dict[str, tuple[Mapping[str, Any], Callable[[str], Mapping[str, Any]]]] = {
+    "data": (DATASETS, dataset_options),
+    "model": (MODELS, model_options),
+    "optimizer": (OPTIMIZERS, OPTIMIZERS.__getitem__),
+}
+"""The tables whose keys depend on their ``name``: the valid names and their keys."""
+
+
+def resolve(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a run config and fill in every default (the resolved config)."""
+    if "runs" in raw:
+        raise ConfigError("this is a comparison config ([runs] tables): use experiments.compare")
+    check_keys(raw, set(TOP_LEVEL) | set(SECTIONS))
+    cfg = top_level(raw, TOP_LEVEL)
     _choice("parallel", cfg["parallel"], PARALLEL)
-    for section, schema in SECTIONS.items():
-        given = raw.get(section, {})
-        if not isinstance(given, Mapping):
-            raise ConfigError(f"[{section}] must be a table, got {given!r}")
-        if "name" not in given and section in ("data", "model", "optimizer"):
-            raise ConfigError(f"missing required key 'name' in [{section}]")
-        name = str(given.get("name"))
-        if section == "data":
-            _choice("dataset", name, DATASETS)
-            schema = {**schema, **dataset_options(name)}
-        elif section == "model":
-            _choice("model", name, MODELS)
-            schema = {**schema, **model_options(name)}
-        elif section == "optimizer":
-            _choice("optimizer", name, OPTIMIZERS)
-            schema = {**schema, **OPTIMIZERS[name]}
-        cfg[section] = fill(f"[{section}]", given, schema)
+    for section in SECTIONS:
+        cfg[section] = table(raw, section, _schema(section, raw.get(section, {})))
     _check_ranges(cfg)
     return cfg
 
@@ -239,16 +288,7 @@ _LEAST = [
 
 def _check_ranges(cfg: dict[str, Any]) -> None:
     """Counts and sizes the drivers use must be in range, the base must take its options."""
-    if not 0 <= cfg["seed"] < 2**32:
-        raise ConfigError(f"seed must be in [0, 2**32 - 1], got {cfg['seed']}")
-    if cfg["threads"] < 0:
-        raise ConfigError(f"threads must be >= 0 (0: torch's default), got {cfg['threads']}")
-    for section, key, low in _LEAST:
-        value = cfg[section].get(key)
-        items = value if isinstance(value, list) else [value]
-        if value is not None and any(item < low for item in items):
-            every = " in every entry" if isinstance(value, list) else ""
-            raise ConfigError(f"[{section}].{key} must be >= {low}{every}, got {value}")
+    check_least(cfg, _LEAST)
     shape = cfg["data"].get("shape")
     if shape is not None and len(shape) != 3:
         raise ConfigError(f"[data].shape must be [channels, height, width], got {shape}")
@@ -337,11 +377,7 @@ def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     if not isinstance(runs, Mapping) or not runs:
         raise ConfigError("[runs] must hold at least one [runs.LABEL] table")
     for label in runs:
-        if not LABEL.fullmatch(label):
-            raise ConfigError(
-                f"run label {label!r} is not a plain folder name: use letters, digits, "
-                "'_', '-', '+', '.', not starting with '.' (each run trains into OUT/LABEL)"
-            )
+        check_label(label)
     resolved = {}
     for label, run in runs.items():
         try:
@@ -349,6 +385,61 @@ def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         except ConfigError as err:
             raise ConfigError(f"[runs.{label}]: {err}") from None
     return resolved
+
+
+def seed_list(raw: Mapping[str, Any], seeds: Sequence[int] | None = None) -> list[int]:
+    """The seeds of a config: ``seeds`` if given, else the config's ``seeds`` list, else its
+    single ``seed`` (default 0)."""
+    if seeds is None:
+        if "seeds" in raw and "seed" in raw:
+            raise ConfigError("give either 'seed' or 'seeds', not both")
+        seeds = raw.get("seeds", [raw.get("seed", 0)])
+    if (
+        not isinstance(seeds, (list, tuple))
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise ConfigError(f"seeds must be a non-empty list of distinct integers, got {seeds!r}")
+    return list(seeds)
+
+
+def run_configs(
+    raw: Mapping[str, Any], seeds: Sequence[int] | None = None
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """The resolved config of every run label and seed of a run or comparison config: label →
+    seed → run config (the seeds: :func:`seed_list`)."""
+    seeds = seed_list(raw, seeds)
+    shared = {k: v for k, v in raw.items() if k not in ("seed", "seeds")}
+    per_seed = {s: split_runs({**shared, "seed": s}) for s in seeds}
+    return {label: {s: per_seed[s][label] for s in seeds} for label in per_seed[seeds[0]]}
+
+
+@dataclass(frozen=True)
+class Table:
+    """A driver's own top-level table beside its runs (``[memory]``, ``[laplace]``): its keys
+    with their defaults, and ``check(table, configs)`` of the filled table against the runs
+    (label → seed → run config), which may complete the table in place."""
+
+    name: str
+    schema: Mapping[str, Any]
+    check: Callable[[dict[str, Any], dict[str, dict[int, dict[str, Any]]]], None]
+    required: bool = False
+
+
+def driver_configs(
+    raw: Mapping[str, Any], tables: Sequence[Table], seeds: Sequence[int] | None = None
+) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, dict[str, Any]]]:
+    """The runs of a driver's config (:func:`run_configs` of the rest) and each of its
+    ``tables`` filled and checked: (label → seed → run config, name → table)."""
+    for t in tables:
+        if t.required and t.name not in raw:
+            raise ConfigError(f"a config of this driver needs a [{t.name}] table")
+    filled = {t.name: table(raw, t.name, t.schema) for t in tables}
+    configs = run_configs({k: v for k, v in raw.items() if k not in filled}, seeds)
+    for t in tables:
+        t.check(filled[t.name], configs)
+    return configs, filled
 
 
 def load(path: str | Path) -> dict[str, Any]:

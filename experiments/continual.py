@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import math
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -57,24 +56,17 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, compare, continual_report, runfiles
+from experiments import cli, continual_report, runfiles, skeleton
 from experiments import config as config_module
 from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
 from experiments.data import DATASETS, Dataset, load_dataset, validation_split
 from experiments.ewc import OnlineEWC, diagonal_fisher
 from experiments.models import ACTIVATIONS, MLP
 from experiments.optimizers import build_optimizer, lr_factor
+from experiments.progress import Planned
+from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
 from experiments.streams import HEADS, STREAMS, Head, Task, build_stream, column_mask
-from experiments.train import (
-    CHECKPOINT,
-    CONFIG,
-    RESULTS,
-    DivergedError,
-    check_folder,
-    resolve_device,
-    rng_state,
-    set_rng_state,
-)
+from experiments.train import DivergedError, resolve_device
 from liegroup_blr import predictive
 from liegroup_blr.memorable import SELECTIONS
 
@@ -115,6 +107,7 @@ BLR_OPTIMIZERS = ("additive", "multiplicative", "affine", "lie")  # posterior
 
 _LEAST = [
     ("stream", "tasks", 1),
+    ("stream", "validation", 0),
     ("model", "widths", 1),
     ("train", "epochs", 1),
     ("train", "batch_size", 1),
@@ -165,37 +158,22 @@ def _check_posterior(where: str, method: dict[str, Any]) -> None:
         raise ConfigError(f"{where}.memory_strength must be > 0, got {method['memory_strength']}")
 
 
+TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "threads": 0}
+
+
 def resolve(raw: dict[str, Any], label: str, seed: int) -> dict[str, Any]:
     """The resolved config of one method and seed: every default filled in, every range
     checked."""
-    cfg: dict[str, Any] = {
-        "seed": seed,
-        "device": raw.get("device", "auto"),
-        "threads": raw.get("threads", 0),
-    }
-    if not (isinstance(seed, int) and 0 <= seed < 2**32):
-        raise ConfigError(f"seed must be an integer in [0, 2**32 - 1], got {seed!r}")
-    if isinstance(cfg["threads"], bool) or not isinstance(cfg["threads"], int):
-        raise ConfigError(f"threads must be an integer >= 0, got {cfg['threads']!r}")
-    if cfg["threads"] < 0:
-        raise ConfigError(f"threads must be >= 0 (0: torch's default), got {cfg['threads']}")
-    if cfg["device"] not in config_module.DEVICES:
-        raise ConfigError(f"unknown device {cfg['device']!r}; valid: {config_module.DEVICES}")
+    cfg = config_module.top_level({**raw, "seed": seed}, TOP_LEVEL)
     for section, schema in SECTIONS.items():
-        given = raw.get(section, {})
-        if not isinstance(given, dict):
-            raise ConfigError(f"[{section}] must be a table, got {given!r}")
-        cfg[section] = fill(f"[{section}]", given, schema)
+        cfg[section] = config_module.table(raw, section, schema)
     cfg["method"] = _method(label, raw["methods"][label])
     _check_ranges(cfg)
     return cfg
 
 
 def _check_ranges(cfg: dict[str, Any]) -> None:
-    for section, key, low in _LEAST:
-        value = cfg[section][key]
-        if any(v < low for v in (value if isinstance(value, list) else [value])):
-            raise ConfigError(f"[{section}].{key} must be >= {low}, got {value}")
+    config_module.check_least(cfg, _LEAST)
     stream = cfg["stream"]
     if stream["name"] not in STREAMS:
         raise ConfigError(f"[stream].name: unknown {stream['name']!r}; valid: {list(STREAMS)}")
@@ -214,28 +192,19 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         )
     if not 0 <= cfg["train"]["warmup"] < cfg["train"]["epochs"]:
         raise ConfigError("[train].warmup must satisfy 0 <= warmup < epochs")
-    if stream["validation"] < 0:
-        raise ConfigError(f"[stream].validation must be >= 0, got {stream['validation']}")
 
 
 def run_configs(
     raw: dict[str, Any], seeds: Sequence[int] | None = None
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """label → seed → resolved run config, for every ``[methods.LABEL]`` and seed."""
-    keys = {"seed", "seeds", "device", "threads", "methods", *SECTIONS}
-    unknown = sorted(set(raw) - keys)
-    if unknown:
-        raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
+    config_module.check_keys(raw, {"seeds", "methods", *TOP_LEVEL, *SECTIONS})
     methods = raw.get("methods")
     if not isinstance(methods, dict) or not methods:
         raise ConfigError("a continual config needs at least one [methods.LABEL] table")
     for label in methods:
-        if not config_module.LABEL.fullmatch(label):
-            raise ConfigError(
-                f"method label {label!r} is not a plain folder name: use letters, digits, "
-                "'_', '-', '+', '.', not starting with '.'"
-            )
-    seeds = compare.seed_list(raw, seeds)
+        config_module.check_label(label, "method")
+    seeds = config_module.seed_list(raw, seeds)
     return {label: {s: resolve(raw, label, s) for s in seeds} for label in methods}
 
 
@@ -286,15 +255,11 @@ def _task_lr(epoch: int, epochs: int, warmup: int) -> float:
 
 
 def build(cfg: dict[str, Any]) -> Learner:
-    """Seed every RNG with the run's seed, then build the stream, model and optimizer.
-    ``threads`` > 0 sets torch's intra-op threads (one fixed count: the same numbers on every
-    machine with the same torch build)."""
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
+    """Seed every RNG with the run's seed and set ``threads``
+    (:func:`~experiments.skeleton.seed_everything`), then build the stream, model and
+    optimizer."""
     seed = cfg["seed"]
-    random.seed(seed)
-    np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
-    torch.manual_seed(seed)
+    skeleton.seed_everything(seed, cfg["threads"])
     device = resolve_device(cfg["device"])
     s, m, t = cfg["stream"], cfg["model"], cfg["train"]
     data = _stream_data(s)
@@ -516,7 +481,7 @@ def _save(learner: Learner, path: Path, at: Position) -> None:
         "model": learner.model.state_dict(),
         "optimizer": learner.optimizer.state_dict(),
         "scheduler": learner.scheduler.state_dict(),
-        "rng": rng_state(learner.data_rng),
+        "rng": skeleton.rng_state(learner.data_rng),
         "ewc": None if learner.ewc is None else learner.ewc.state_dict(),
         "memory": None if learner.memory is None else learner.memory.state_dict(),
     }
@@ -524,66 +489,99 @@ def _save(learner: Learner, path: Path, at: Position) -> None:
 
 
 def _restore(learner: Learner, path: Path) -> Position:
-    state = runfiles.load_torch(path)
-    try:
-        learner.model.load_state_dict(state["model"])
-        learner.optimizer.load_state_dict(state["optimizer"])
-        learner.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(learner.data_rng, state["rng"])
-        if learner.ewc is not None:
-            learner.ewc.load_state_dict(state["ewc"])
-        if learner.memory is not None:
-            learner.memory.load_state_dict(state["memory"])
-        return Position(
+    """The state of checkpoint ``path`` restored into ``learner``; where the run stands."""
+    return skeleton.restore(
+        path,
+        {
+            "model": learner.model.load_state_dict,
+            "optimizer": learner.optimizer.load_state_dict,
+            "scheduler": learner.scheduler.load_state_dict,
+            "rng": functools.partial(skeleton.set_rng_state, learner.data_rng),
+            "ewc": None if learner.ewc is None else learner.ewc.load_state_dict,
+            "memory": None if learner.memory is None else learner.memory.load_state_dict,
+        },
+        lambda state: Position(
             int(state["task"]), int(state["epoch"]), float(state["seconds"]), list(state["rows"])
-        )
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise runfiles.CorruptFileError(
-            f"checkpoint {path} is corrupt or not of this run ({reason})"
-        ) from None
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------- one run
-def run(cfg: dict[str, Any], out: Path, resume: bool = False) -> dict[str, Any]:
+def run(
+    cfg: dict[str, Any],
+    out: Path,
+    resume: bool = False,
+    progress: ProgressHook | None = None,
+    title: str | None = None,
+) -> dict[str, Any]:
     """Learn the stream of one method and seed into ``out``; returns its summary
     (:func:`experiments.continual_report.run_summary` plus timings).
 
     Everything is checked before anything is written. A checkpoint follows every epoch and
     every task boundary, the task rows live inside it and ``tasks.jsonl`` is rewritten from
-    them, so a kill at any instant loses at most the epoch in progress.
+    them, so a kill at any instant loses at most the epoch in progress. ``progress`` hears of
+    the epochs done over the whole stream; ``title`` names the run in its task lines.
     """
     with runfiles.locked(out):
         ckpt = out / CHECKPOINT
-        check_folder(out, resume, ckpt, progress=TASKS)
-        if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:
-            raise ConfigError(
-                f"the config differs from the one {out} was trained with ({out / CONFIG}); "
-                "resume with that config or train into another folder"
-            )
+        skeleton.check_run_folder(out, resume, ckpt, TASKS)
+        skeleton.check_same_config(out, cfg, resume)
         learner = build(cfg)
         at = _restore(learner, ckpt) if resume and ckpt.exists() else Position()
         runfiles.remove_leftovers(out)
         runfiles.write_json(out / CONFIG, cfg)
         runfiles.write_jsonl(out / TASKS, at.rows)
-        return _learn(learner, out, at)
+        return _learn(learner, out, at, progress, title or out.name)
 
 
-def _learn(learner: Learner, out: Path, at: Position) -> dict[str, Any]:
+def planned(label: str, cfg: dict[str, Any], folder: Path, resume: bool) -> Planned:
+    """The run of ``cfg`` in ``folder`` for the progress: its epochs over every task, each of
+    ``mc_samples`` gradient evaluations per step, and with ``resume`` those of its finished
+    tasks and whether it finished."""
+    epochs = cfg["train"]["epochs"]
+    return Planned(
+        label,
+        epochs * cfg["stream"]["tasks"],
+        cfg["method"]["optimizer"].get("mc_samples", 1),
+        epochs * len(runfiles.read_jsonl(folder / TASKS)) if resume else 0,
+        resume and skeleton.run_state(folder) == "finished",
+    )
+
+
+def check_runs(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """Raise what any run of ``configs`` would raise when it starts (its device, a batch size
+    that fits every task, every value its optimizer checks), by building each method's first
+    seed; the error names the method. Global RNGs move; :func:`build` seeds them again."""
+    for label, by_seed in configs.items():
+        try:
+            build(next(iter(by_seed.values())))
+        except ValueError as err:
+            raise ConfigError(f"[methods.{label}]: {err}") from None
+
+
+RUNNER = skeleton.Runner(run, planned, lambda cfg: str(cfg["method"]["strategy"]), check_runs)
+"""How the drivers learn the stream of one method and seed (:func:`run`)."""
+
+
+def _learn(
+    learner: Learner, out: Path, at: Position, progress: ProgressHook | None, title: str
+) -> dict[str, Any]:
     """The stream from ``at`` on, then the final files."""
     ckpt, epochs, count = out / CHECKPOINT, learner.cfg["train"]["epochs"], len(learner.tasks)
+    if progress is not None:
+        progress(at.task * epochs + at.epoch)
     while at.task < count:
         data = _training_set(learner, at.task)
-        while at.epoch < epochs:
-            tic = time.perf_counter()
-            loss = train_epoch(learner, data, at.task, at.epoch)
-            learner.scheduler.step()
-            seconds = time.perf_counter() - tic
-            at.epoch, at.seconds = at.epoch + 1, at.seconds + seconds
+        train = functools.partial(train_epoch, learner, data, at.task)
+        for epoch, _, loss, seconds in skeleton.timed_epochs(
+            at.epoch, epochs, train, learner.scheduler
+        ):
+            at.epoch, at.seconds = epoch + 1, at.seconds + seconds
             _save(learner, ckpt, at)
+            note = progress(at.task * epochs + at.epoch) if progress is not None else ""
             tqdm.write(
-                f"task {at.task + 1}/{count} epoch {at.epoch}/{epochs}: objective {loss:.4f}, "
-                f"{seconds:.1f}s"
+                f"{title}: task {at.task + 1}/{count} epoch {at.epoch}/{epochs}: objective "
+                f"{loss:.4f}, {seconds:.1f}s" + (f" | {note}" if note else "")
             )
         tic = time.perf_counter()
         row = evaluate(learner, at.task)
@@ -634,20 +632,10 @@ def continual(
     the report. Returns label → ``{"seeds", "summary", "per_seed"}``."""
     out = Path(out)
     configs = run_configs(raw, seeds)
-    written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
+    RUNNER.check(configs)
     with runfiles.locked(out):
-        compare.check_folder(out, written, resume)
-        runfiles.remove_leftovers(out)
-        runfiles.write_json(out / CONFIG, written)
-        per_seed: dict[str, dict[str, Any]] = {label: {} for label in configs}
-        for label, by_seed in configs.items():
-            for seed, cfg in by_seed.items():
-                print(f"== {label} ({cfg['method']['strategy']}), seed {seed}", flush=True)
-                tic = time.perf_counter()
-                per_seed[label][str(seed)] = run(cfg, out / label / f"seed{seed}", resume)
-                print(
-                    f"== {label}, seed {seed} done in {time.perf_counter() - tic:.1f}s", flush=True
-                )
+        skeleton.prepare_folder(out, skeleton.written(configs), resume)
+        per_seed = skeleton.run_all(configs, out, resume, RUNNER)
         summary = {
             label: continual_report.over_seeds(list(r.values())) for label, r in per_seed.items()
         }
@@ -663,8 +651,7 @@ def continual(
         figure = out / "average_accuracy.png"
         title = continual_report.figure_title(first, list(next(iter(configs.values()))))
         continual_report.average_accuracy_figure(summary, first["eval"]["samples"], figure, title)
-        runfiles.write_json(out / RESULTS, results)
-        runfiles.write_text(out / "report.md", continual_report.report(configs, results) + "\n")
+        skeleton.write_report(out, results, continual_report.report(configs, results))
     return results
 
 
@@ -675,7 +662,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run(
-        "python -m experiments.continual", __doc__, continual, _show, argv, compare.parse_seeds
+        "python -m experiments.continual", __doc__, continual, _show, argv, cli.parse_seeds
     )
 
 

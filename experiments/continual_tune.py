@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import cli, compare, continual, tune
+from experiments import cli, continual, tune
 from experiments.config import ConfigError
 
 METRICS = ("final_accuracy", "nll")
@@ -50,7 +50,7 @@ def continual_tune(
                 "to the number of training examples to hold out"
             )
     by = (metric, estimate)
-    return tune.run_grid(configs, points, out, resume, continual.run, by, "method", report)
+    return tune.run_grid(configs, points, out, resume, continual.RUNNER, by, "method", report)
 
 
 def _mean(runs: Sequence[dict[str, Any]], estimate: str, key: str) -> str:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         continual_tune,
         tune.show,
         argv,
-        compare.parse_seeds,
+        cli.parse_seeds,
     )
 
 

@@ -41,6 +41,7 @@ import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +52,18 @@ from torch.nn.functional import cross_entropy
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, compare, figures, runfiles
+from experiments import cli, figures, runfiles, skeleton
 from experiments import config as config_module
 from experiments.data import Dataset, load_dataset
 from experiments.distributed import Processes
+from experiments.progress import Planned
+from experiments.skeleton import ProgressHook
 from experiments.train import (
     CHECKPOINT,
     RESULTS,
     Run,
     build,
+    check_runs,
     load_checkpoint,
     save_checkpoint,
     train_epoch,
@@ -117,14 +121,8 @@ PROCESSES = Processes()
 
 
 # -------------------------------------------------------------------- config
-def resolve(
-    raw: dict[str, Any], seeds: Sequence[int] | None = None
-) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
-    """(label → seed → resolved run config, the resolved ``[memory]`` table)."""
-    given = raw.get("memory", {})
-    if not isinstance(given, dict):
-        raise config_module.ConfigError(f"[memory] must be a table, got {given!r}")
-    memory = config_module.fill("[memory]", given, MEMORY)
+def _check_memory(memory: dict[str, Any], configs: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """The ``[memory]`` table's counts and epochs, and what each run must allow."""
     for key in ("samples", "batch_size", "top", "random"):
         least = 2 if key == "samples" else 1
         if memory[key] < least:
@@ -136,11 +134,21 @@ def resolve(
         )
     if memory["retrain_lr"] <= 0 or memory["flip"] < 0:
         raise config_module.ConfigError("[memory].retrain_lr must be > 0 and flip >= 0")
-    configs = compare.run_configs({k: v for k, v in raw.items() if k != "memory"}, seeds)
     for by_seed in configs.values():
         for cfg in by_seed.values():
             _check_run(cfg)
-    return configs, memory
+
+
+TABLE = config_module.Table("memory", MEMORY, _check_memory)
+"""The driver's own ``[memory]`` table."""
+
+
+def resolve(
+    raw: dict[str, Any], seeds: Sequence[int] | None = None
+) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
+    """(label → seed → resolved run config, the resolved ``[memory]`` table)."""
+    configs, tables = config_module.driver_configs(raw, [TABLE], seeds)
+    return configs, tables["memory"]
 
 
 def _check_run(cfg: dict[str, Any]) -> None:
@@ -177,9 +185,15 @@ def flipped_labels(labels: Tensor, count: int, classes: int, seed: int) -> dict[
     return {int(i): int((labels[i] + s) % classes) for i, s in zip(picks, shifts, strict=True)}
 
 
-def trained(cfg: dict[str, Any], folder: Path, flips: dict[int, int] | None = None) -> Run:
+def trained(
+    cfg: dict[str, Any],
+    folder: Path,
+    flips: dict[int, int] | None = None,
+    progress: ProgressHook | None = None,
+) -> Run:
     """The run of ``cfg`` trained into ``folder`` (``checkpoint.pt`` after every epoch; a
-    partial run is continued), with the labels of ``flips`` changed."""
+    partial run is continued), with the labels of ``flips`` changed; ``progress`` hears of
+    the epochs done."""
     run = build(copy.deepcopy(cfg), PROCESSES)
     if flips:
         index = torch.tensor(list(flips))
@@ -187,11 +201,16 @@ def trained(cfg: dict[str, Any], folder: Path, flips: dict[int, int] | None = No
     folder.mkdir(parents=True, exist_ok=True)
     ckpt = folder / CHECKPOINT
     start, history = load_checkpoint(run, ckpt) if ckpt.exists() else (0, [])
-    for epoch in range(start, cfg["schedule"]["epochs"]):
-        loss = train_epoch(run, epoch)
-        run.scheduler.step()
+    if progress is not None:
+        progress(start)
+    epochs = cfg["schedule"]["epochs"]
+    for epoch, _, loss, _ in skeleton.timed_epochs(
+        start, epochs, partial(train_epoch, run), run.scheduler
+    ):
         history.append({"epoch": epoch + 1, "train_loss": loss})
         save_checkpoint(run, epoch + 1, ckpt, history)
+        if progress is not None:
+            progress(epoch + 1)
     return run
 
 
@@ -548,11 +567,19 @@ def summarise_flips(flip_score: dict[str, Any], flips: dict[int, int]) -> dict[s
 
 # ----------------------------------------------------------------- one run
 def validate(
-    cfg: dict[str, Any], memory: dict[str, Any], folder: Path, desc: str
+    memory: dict[str, Any],
+    cfg: dict[str, Any],
+    folder: Path,
+    resume: bool,
+    progress: ProgressHook | None = None,
+    title: str = "",
 ) -> dict[str, Any]:
-    """Train, map, retrain and flip for one run config; writes ``folder``, returns the summary."""
-    seed = cfg["seed"]
-    run = trained(cfg, folder / "train")
+    """Train, map, retrain and flip for one run config; writes ``folder``, returns the summary.
+    Its trainings continue from their checkpoints whether or not ``resume`` is set (the
+    driver's folder check decides); ``progress`` hears of the epochs of both trainings,
+    ``title`` names the run in the figures."""
+    seed, desc = cfg["seed"], title
+    run = trained(cfg, folder / "train", progress=progress)
     test = metrics_on_test(run, memory["samples"])
     score = _cached(folder / SCORES_FILE, lambda: scores(run, memory, seed))
     top, random = chosen(score["default"], memory["top"], memory["random"], seed)
@@ -574,7 +601,9 @@ def validate(
         },
     }
     if memory["flip"]:
-        summary.update(_flipped(cfg, memory, folder, run.data, title))
+        epochs = cfg["schedule"]["epochs"]
+        after = None if progress is None else lambda done: progress(epochs + done)
+        summary.update(_flipped(cfg, memory, folder, run.data, title, after))
     runfiles.write_json(folder / SUMMARY, summary)
     return summary
 
@@ -644,13 +673,18 @@ def _scatter(
 
 
 def _flipped(
-    cfg: dict[str, Any], memory: dict[str, Any], folder: Path, data: Dataset, title: str
+    cfg: dict[str, Any],
+    memory: dict[str, Any],
+    folder: Path,
+    data: Dataset,
+    title: str,
+    progress: ProgressHook | None,
 ) -> dict[str, Any]:
     """The run trained again with ``flip`` labels changed: its maps and test metrics, and
     how many flipped labels each ranking finds."""
     seed, labels = cfg["seed"], data.train_y
     flips = flipped_labels(labels, memory["flip"], data.num_classes, seed)
-    run = trained(cfg, folder / "flip", flips)
+    run = trained(cfg, folder / "flip", flips, progress)
     score = _cached(folder / FLIP_SCORES, lambda: scores(run, memory, seed))
     marked = {i: int(labels[i]) for i in flips}
     flipped = f"{title}, {memory['flip']} labels flipped (red)"
@@ -674,27 +708,34 @@ def memory_maps(
     """Validate every run and seed of ``raw`` into ``out``; returns label → summaries."""
     out = Path(out)
     configs, memory = resolve(raw, seeds)
-    written = {
-        "runs": {
-            label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()
-        },
-        "memory": memory,
-    }
+    runner = skeleton.Runner(partial(validate, memory), partial(_planned, memory), _rule, _check)
+    runner.check(configs)
     with runfiles.locked(out):
-        compare.check_folder(out, written, resume)
-        _check_data(configs)
-        runfiles.remove_leftovers(out)
-        runfiles.write_json(out / "config.json", written)
-        results: dict[str, Any] = {}
-        for label, by_seed in configs.items():
-            per_seed = {
-                str(s): validate(cfg, memory, out / label / f"seed{s}", f"{label} seed {s}")
-                for s, cfg in by_seed.items()
-            }
-            results[label] = {"summary": aggregate(list(per_seed.values())), "per_seed": per_seed}
-        runfiles.write_json(out / "results.json", results)
-        runfiles.write_text(out / "report.md", report(results, configs, memory) + "\n")
+        skeleton.prepare_folder(out, skeleton.written(configs), resume, {"memory": memory})
+        per_seed = skeleton.run_all(configs, out, resume, runner)
+        results = {
+            label: {"summary": aggregate(list(runs.values())), "per_seed": runs}
+            for label, runs in per_seed.items()
+        }
+        skeleton.write_report(out, results, report(results, configs, memory))
     return results
+
+
+def _planned(memory: dict[str, Any], label: str, cfg: dict[str, Any], *_: Any) -> Planned:
+    """A run for the progress: the epochs of its training and of its training with flipped
+    labels (the retraining's time is spread over them)."""
+    epochs = cfg["schedule"]["epochs"] * (2 if memory["flip"] else 1)
+    return Planned(label, epochs, cfg["optimizer"].get("mc_samples", 1))
+
+
+def _check(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
+    """Every run as a training checks it, and what leave-one-out retraining needs."""
+    check_runs(configs)
+    _check_data(configs)
+
+
+def _rule(cfg: dict[str, Any]) -> str:
+    return str(cfg["optimizer"]["name"])
 
 
 def aggregate(values: list[Any]) -> Any:
@@ -902,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     return cli.run(
-        "python -m experiments.memory_map", __doc__, memory_maps, _show, args, compare.parse_seeds
+        "python -m experiments.memory_map", __doc__, memory_maps, _show, args, cli.parse_seeds
     )
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from experiments import cli, compare, ood, runfiles
+from experiments import cli, compare, ood, runfiles, skeleton
 from experiments import config as config_module
 from experiments.data import test_batches
 from experiments.distributed import Processes
@@ -64,21 +64,17 @@ def resolve(
     raw: dict[str, Any], seeds: Sequence[int] | None = None
 ) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
     """(label → seed → resolved run config, the resolved ``[laplace]`` table)."""
-    given = raw.get("laplace")
-    if not isinstance(given, dict):
-        raise config_module.ConfigError("a peers config needs a [laplace] table")
-    laplace = config_module.fill("[laplace]", given, LAPLACE)
+    configs, tables = config_module.driver_configs(raw, [TABLE], seeds)
+    return configs, tables["laplace"]
+
+
+def _check_laplace(laplace: dict[str, Any], configs: dict[str, Any]) -> None:
+    """Fits name known subsets, structures and backends (each fit's table completed with
+    its defaults); networks name runs."""
     laplace["fits"] = {
         name: config_module.fill(f"[laplace.fits.{name}]", fit, FIT)
         for name, fit in laplace["fits"].items()
     }
-    configs = compare.run_configs({k: v for k, v in raw.items() if k != "laplace"}, seeds)
-    _check_laplace(laplace, configs)
-    return configs, laplace
-
-
-def _check_laplace(laplace: dict[str, Any], configs: dict[str, Any]) -> None:
-    """Fits name known subsets, structures and backends; networks name runs."""
     unknown = sorted(set(laplace["networks"]) - set(configs))
     if unknown or not laplace["networks"]:
         raise config_module.ConfigError(
@@ -103,6 +99,10 @@ def _check_laplace(laplace: dict[str, Any], configs: dict[str, Any]) -> None:
                 raise config_module.ConfigError(
                     f"unknown [laplace.fits.{name}].{key} {fit[key]!r}; valid: {list(valid)}"
                 )
+
+
+TABLE = config_module.Table("laplace", LAPLACE, _check_laplace, required=True)
+"""The driver's own ``[laplace]`` table."""
 
 
 def require_peers(configs: dict[str, dict[int, dict[str, Any]]], laplace: dict[str, Any]) -> None:
@@ -219,14 +219,8 @@ def peers(
     out = Path(out)
     configs, laplace = resolve(raw, seeds)
     require_peers(configs, laplace)
-    written = {
-        "runs": {label: {str(s): c for s, c in by.items()} for label, by in configs.items()},
-        "laplace": laplace,
-    }
     with runfiles.locked(out):
-        compare.check_folder(out, written, resume)
-        runfiles.remove_leftovers(out)
-        runfiles.write_json(out / "config.json", written)
+        skeleton.prepare_folder(out, skeleton.written(configs), resume, {"laplace": laplace})
         runs = {k: v for k, v in raw.items() if k != "laplace"}
         results = compare.compare(runs, out / "networks", resume, seeds)
         for label in laplace["networks"]:
@@ -240,8 +234,7 @@ def peers(
                     "summary": compare.summarise(list(per_seed.values())),
                     "per_seed": per_seed,
                 }
-        runfiles.write_json(out / "results.json", results)
-        runfiles.write_text(out / "report.md", report(configs, laplace, results) + "\n")
+        skeleton.write_report(out, results, report(configs, laplace, results))
     return results
 
 
@@ -399,7 +392,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.peers", __doc__, peers, _show, argv, compare.parse_seeds)
+    return cli.run("python -m experiments.peers", __doc__, peers, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,15 @@ command trains over processes (experiments/distributed.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import math
-import random
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -32,21 +32,27 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, distributed, runfiles
+from experiments import cli, distributed, runfiles, skeleton
 from experiments import config as config_module
 from experiments.batches import BatchOptimizer
-from experiments.data import Dataset, load_dataset, test_batches, train_batches, validation_split
+from experiments.data import (
+    Dataset,
+    DatasetNotFoundError,
+    load_dataset,
+    test_batches,
+    train_batches,
+    validation_split,
+)
 from experiments.distributed import Processes
 from experiments.evaluate import evaluate
 from experiments.models import build_model
 from experiments.optimizers import IVON, build_optimizer, lr_factor
+from experiments.progress import Planned
+from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
 from liegroup_blr import predictive
 from liegroup_blr.mc import mc_step
 
-CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
-RESULTS = "results.json"
-CONFIG = "config.json"
 
 T = TypeVar("T")
 
@@ -83,9 +89,8 @@ def resolve_device(name: str) -> torch.device:
 def build(cfg: dict[str, Any], processes: Processes) -> Run:
     """Seed every RNG with ``cfg['seed']``, then build data, model, optimizer and schedule.
 
-    ``cfg['threads']`` > 0 sets torch's intra-op threads: matrix products split over a
-    different number of threads round differently, so one fixed count makes a run's numbers
-    the same on every machine with the same torch build.
+    ``cfg['threads']`` > 0 sets torch's intra-op threads (:func:`~experiments.skeleton.
+    seed_everything`).
 
     Fills in ``cfg['data']['augment']`` with the dataset's default when unset. With
     ``[data] validation`` > 0 the run trains on the rest of the training set and evaluates on
@@ -93,12 +98,8 @@ def build(cfg: dict[str, Any], processes: Processes) -> Run:
     is N = da_factor × (training-set size). Every process of a torchrun builds the same model;
     the optimizers give each its own noise.
     """
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
     seed = cfg["seed"]
-    random.seed(seed)
-    np.random.seed(seed)  # noqa: NPY002 (the global numpy RNG is seeded and checkpointed)
-    torch.manual_seed(seed)
+    skeleton.seed_everything(seed, cfg["threads"])
     device = distributed.device_for(resolve_device(cfg["device"]).type, processes)
     data = load_data(cfg["data"])
     if cfg["data"]["augment"] is None:
@@ -164,6 +165,26 @@ def check(cfg: dict[str, Any], data: Dataset, processes: Processes) -> None:
     _optimizer(cfg, _model(cfg, data, torch.device("cpu")), data, processes, None)
 
 
+def check_runs(configs: dict[str, dict[int, dict[str, Any]]], labelled: bool = True) -> None:
+    """Raise what any run of ``configs`` would raise when it starts (:func:`check`: its data,
+    device and every value its optimizer checks), before any trains or writes; the error
+    names the run (``[runs.LABEL]: ...``) if the config is ``labelled`` by [runs] tables.
+    Each dataset is loaded once; a label's seeds differ in the seed alone, so its first is
+    checked."""
+    datasets: dict[str, Dataset] = {}
+    for label, by_seed in configs.items():
+        cfg = next(iter(by_seed.values()))
+        try:
+            key = json.dumps(cfg["data"], sort_keys=True)
+            if key not in datasets:
+                datasets[key] = load_data(cfg["data"])
+            check(cfg, datasets[key], distributed.from_environment(cfg["parallel"]))
+        except (ValueError, DatasetNotFoundError) as err:
+            raise config_module.ConfigError(
+                f"[runs.{label}]: {err}" if labelled else str(err)
+            ) from None
+
+
 def _model(cfg: dict[str, Any], data: Dataset, device: torch.device) -> nn.Module:
     """The config's network for ``data``, on ``device``."""
     mcfg = cfg["model"]
@@ -183,37 +204,6 @@ def _gathered(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def rng_state(data_rng: torch.Generator) -> dict[str, Any]:
-    """Every RNG state a run draws from (torch, numpy, python, CUDA) and ``data_rng``'s."""
-    _, keys, pos, has_gauss, gauss = cast(tuple, np.random.get_state())  # noqa: NPY002
-    state = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": pos,
-            "has_gauss": has_gauss,
-            "gauss": gauss,
-        },
-        "python": random.getstate(),
-        "data": data_rng.get_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(data_rng: torch.Generator, state: dict[str, Any]) -> None:
-    """Restore the states of :func:`rng_state` (``data_rng``'s into ``data_rng``)."""
-    torch.set_rng_state(state["torch"])
-    npy = state["numpy"]
-    keys = npy["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, npy["pos"], npy["has_gauss"], npy["gauss"]))  # noqa: NPY002
-    random.setstate(state["python"])
-    data_rng.set_state(state["data"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, Any]]) -> None:
     """Write model, optimizer, scheduler, RNG states, the epoch count and the metrics rows
     so far atomically (the rows live here so that no kill can lose them)."""
@@ -222,7 +212,7 @@ def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, An
         "model": distributed.local_state(run.model.state_dict()),
         "optimizer": distributed.local_state(run.optimizer.state_dict()),
         "scheduler": run.scheduler.state_dict(),
-        "rng": rng_state(run.data_rng),
+        "rng": skeleton.rng_state(run.data_rng),
         "history": history,
     }
     runfiles.save_torch(path, state)
@@ -231,18 +221,17 @@ def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, An
 def load_checkpoint(run: Run, path: Path) -> tuple[int, list[dict[str, Any]]]:
     """Restore a checkpoint written by :func:`save_checkpoint`; returns its epoch count and
     metrics rows (a checkpoint from before the rows were kept: those of ``metrics.jsonl``)."""
-    state = runfiles.load_torch(path)
-    try:
-        distributed.load_model_state(run.model, state["model"], run.processes)
-        run.optimizer.load_state_dict(state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(run.data_rng, state["rng"])
-        epoch = int(state["epoch"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise runfiles.CorruptFileError(
-            f"checkpoint {path} is corrupt or not of this run ({reason})"
-        ) from None
+    state = skeleton.restore(
+        path,
+        {
+            "model": partial(distributed.load_model_state, run.model, processes=run.processes),
+            "optimizer": run.optimizer.load_state_dict,
+            "scheduler": run.scheduler.load_state_dict,
+            "rng": partial(skeleton.set_rng_state, run.data_rng),
+        },
+        lambda state: (int(state["epoch"]), state),
+    )
+    epoch, state = state
     if "history" in state:
         return epoch, state["history"]
     rows = runfiles.read_jsonl(path.with_name(METRICS))
@@ -352,29 +341,6 @@ def checkpoint_path(out: Path, processes: Processes) -> Path:
     return out / (CHECKPOINT if processes.main else f"checkpoint.rank{processes.rank}.pt")
 
 
-def check_folder(out: Path, resume: bool, ckpt: Path, progress: str = METRICS) -> None:
-    """Refuse a folder that holds anything but this run's own resumable state.
-
-    Without ``resume`` the folder must be new or empty. With it, the folder must hold a
-    run's ``config.json`` and either its checkpoint or nothing yet trained (no rows in its
-    ``progress`` file).
-    """
-    held = runfiles.contents(out)
-    if not held:
-        return
-    if not resume:
-        raise FileExistsError(
-            f"{out} already holds files {held}; pass --resume to continue the run there, "
-            "or choose another --out"
-        )
-    untrained = set(held) <= {CONFIG, progress} and not runfiles.read_jsonl(out / progress)
-    if CONFIG not in held or not (ckpt.exists() or untrained):
-        raise FileExistsError(
-            f"{out} holds {held} but no {ckpt.name} to resume from; nothing was changed, "
-            "choose another --out"
-        )
-
-
 def _check_data(cfg: dict[str, Any], data: Dataset, processes: Processes) -> None:
     """What only the loaded data can tell: every epoch takes at least one step."""
     batch, size = cfg["data"]["batch_size"], len(data.train_y)
@@ -399,14 +365,10 @@ def _prepare(
     if processes.main:
         lock.enter_context(runfiles.locked(out))
     ckpt = checkpoint_path(out, processes)
-    check_folder(out, resume, ckpt)
+    skeleton.check_run_folder(out, resume, ckpt, METRICS)
     run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
     _check_data(cfg, run.data, processes)
-    if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:
-        raise config_module.ConfigError(
-            f"the config differs from the one {out} was trained with ({out / CONFIG}); "
-            "resume with that config or train into another folder"
-        )
+    skeleton.check_same_config(out, cfg, resume)
     if resume and ckpt.exists():
         return (run, *load_checkpoint(run, ckpt))
     return run, 0, []
@@ -424,9 +386,16 @@ def on_every_process(step: Callable[[], T], processes: Processes) -> T:
     return result
 
 
-ProgressHook = Callable[[int], str]
-"""Told the epochs a run has done when it starts and after every epoch; what it returns
-after an epoch ends that epoch's line (:class:`experiments.progress.Progress`)."""
+def planned(label: str, cfg: dict[str, Any], folder: Path, resume: bool) -> Planned:
+    """The run of ``cfg`` in ``folder`` for the progress: its epochs, gradient evaluations per
+    step as their cost, and with ``resume`` the epochs done and whether it finished."""
+    return Planned(
+        label,
+        cfg["schedule"]["epochs"],
+        cfg["optimizer"].get("mc_samples", 1),
+        len(runfiles.read_jsonl(folder / METRICS)) if resume else 0,
+        resume and skeleton.run_state(folder) == "finished",
+    )
 
 
 def train(
@@ -462,17 +431,6 @@ def train(
     return results
 
 
-def clear(out: Path) -> None:
-    """Delete a run's files from its folder ``out`` (the figures, metrics, config, then the
-    checkpoints: a kill in between leaves a run that still has its checkpoint)."""
-    files = [*sorted(out.glob("*.png")), out / RESULTS, out / METRICS, out / CONFIG]
-    files += [*sorted(out.glob("checkpoint.rank*.pt")), out / CHECKPOINT]
-    for path in files:
-        path.unlink(missing_ok=True)
-    if out.is_dir():
-        runfiles.remove_leftovers(out)
-
-
 def _train(
     run: Run,
     out: Path,
@@ -486,12 +444,9 @@ def _train(
     ckpt = checkpoint_path(out, processes)
     test = test_batches(run.data, cfg["data"]["test_batch_size"], run.device)
     epochs = cfg["schedule"]["epochs"]
-    for epoch in range(start, epochs):
-        tic = time.perf_counter()
-        lr = run.optimizer.param_groups[0]["lr"]
-        loss = train_epoch(run, epoch)
-        run.scheduler.step()
-        seconds = time.perf_counter() - tic
+    for epoch, lr, loss, seconds in skeleton.timed_epochs(
+        start, epochs, partial(train_epoch, run), run.scheduler
+    ):
         _check_state(run, epoch)
         if processes.main or processes.sharded:  # sharded: the forward passes gather
             note = progress(epoch + 1) if progress is not None else ""
@@ -558,6 +513,10 @@ def _epoch_row(
             + (f" | {note}" if note else "")
         )
     return row
+
+
+RUNNER = skeleton.Runner(train, planned, lambda cfg: str(cfg["optimizer"]["name"]), check_runs)
+"""How the drivers train one run of a run config (:func:`train`)."""
 
 
 def _show(results: dict[str, Any], out: Path) -> None:

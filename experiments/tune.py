@@ -18,6 +18,7 @@ experiments.compare.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import sys
@@ -26,9 +27,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from experiments import cli, compare, runfiles
+from experiments import cli, compare, runfiles, skeleton
 from experiments import config as config_module
-from experiments.train import DivergedError, train
+from experiments import train as train_module
+from experiments.train import DivergedError
 
 METRICS = ("nll", "accuracy", "ece", "brier")
 ESTIMATES = ("average", "point")
@@ -91,19 +93,14 @@ def tune(
     out = Path(out)
     metric, estimate = criterion(raw)
     expanded, points = grid_points(raw)
-    configs = compare.run_configs(expanded, seeds)
+    configs = config_module.run_configs(expanded, seeds)
     for label, by_seed in configs.items():
         if not all(cfg["data"]["validation"] > 0 for cfg in by_seed.values()):
             raise config_module.ConfigError(
                 f"run {label!r}: tuning must not see the test set; set [data] validation to "
                 "the number of training examples to hold out"
             )
-    compare.check_runs(configs)  # every point, before any trains
-    return run_grid(configs, points, out, resume, train, (metric, estimate))
-
-
-Runner = Callable[..., dict[str, Any]]
-"""Trains one run config into a folder (resuming or not) and returns its results."""
+    return run_grid(configs, points, out, resume, train_module.RUNNER, (metric, estimate))
 
 
 def run_grid(
@@ -111,41 +108,32 @@ def run_grid(
     points: dict[str, list[dict[str, Any]]],
     out: Path,
     resume: bool,
-    runner: Runner,
+    runner: skeleton.Runner,
     by: tuple[str, str],
     table: str = "optimizer",
     write: Callable[[dict[str, Any], str, str], str] | None = None,
 ) -> dict[str, Any]:
-    """Train every resolved grid point (``LABEL.I`` → seed → config) with ``runner`` into
-    ``out/LABEL.I/seedS``, choose per label by (metric, estimate) ``by`` (:func:`choose`),
-    and write ``config.json``, ``tuned.json`` and ``tuning.md`` (``write``, default
-    :func:`report`). The training runner (:func:`~experiments.train.train`) goes through
-    :func:`experiments.compare.train_all` (progress with the time left); any other trains
-    each point in turn."""
-    written = {label: {str(s): c for s, c in by_seed.items()} for label, by_seed in configs.items()}
+    """Check, then train every resolved grid point (``LABEL.I`` → seed → config) with
+    ``runner`` into ``out/LABEL.I/seedS`` (:func:`experiments.skeleton.run_all`: progress
+    with the time left), choose per label by (metric, estimate) ``by`` (:func:`choose`), and write
+    ``config.json``, ``tuned.json`` and ``tuning.md`` (``write``, default :func:`report`)."""
+    runner.check(configs)  # every point, before any trains
+    diverging = dataclasses.replace(runner, train=partial(train_point, runner.train))
     with runfiles.locked(out):
-        if runner is train:
-            compare.prepare_folder(out, written, resume)
-            outcomes = compare.train_all(configs, out, resume, trainer=partial(train_point, train))
-        else:
-            compare.check_folder(out, written, resume)
-            runfiles.remove_leftovers(out)
-            runfiles.write_json(out / "config.json", written)
-            outcomes = {
-                label: {
-                    str(s): train_point(runner, cfg, out / label / f"seed{s}", resume)
-                    for s, cfg in by_seed.items()
-                }
-                for label, by_seed in configs.items()
-            }
+        skeleton.prepare_folder(out, skeleton.written(configs), resume)
+        outcomes = skeleton.run_all(configs, out, resume, diverging)
         results = choose(points, outcomes, configs, *by, table)
-        runfiles.write_json(out / "tuned.json", results)
-        runfiles.write_text(out / "tuning.md", (write or report)(results, *by) + "\n")
+        text = (write or report)(results, *by)
+        skeleton.write_report(out, results, text, ("tuned.json", "tuning.md"))
     return results
 
 
 def train_point(
-    runner: Runner, cfg: dict[str, Any], folder: Path, resume: bool, **options: Any
+    runner: Callable[..., dict[str, Any] | None],
+    cfg: dict[str, Any],
+    folder: Path,
+    resume: bool,
+    **options: Any,
 ) -> dict[str, Any] | None:
     """The results of ``runner(cfg, folder, resume, **options)``, or None if it diverged."""
     try:
@@ -241,7 +229,7 @@ def show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.tune", __doc__, tune, show, argv, compare.parse_seeds)
+    return cli.run("python -m experiments.tune", __doc__, tune, show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

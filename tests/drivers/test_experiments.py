@@ -13,7 +13,7 @@ import torch
 from matplotlib import image as mpimg
 
 from experiments import compare, figures, memory_map, peers, train, tune
-from experiments.config import ConfigError, load, resolve, split_runs
+from experiments.config import ConfigError, load, resolve, run_configs, split_runs
 
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"name": "mlp", "widths": [16]},
@@ -383,7 +383,7 @@ def test_shipped_configs_resolve(path: Path) -> None:
         runs, laplace = peers.resolve(raw)
         assert laplace["fits"]
     else:
-        runs = compare.run_configs(raw)
+        runs = run_configs(raw)
     assert runs
     for by_seed in runs.values():
         assert 0 in by_seed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_tuning_trains_every_point_on_held_out_examples_and_chooses_the_best(
             raise train.DivergedError("diverged")
         return real_train(cfg, out, resume, **options)
 
-    monkeypatch.setattr(tune, "train", diverging)
+    monkeypatch.setattr(train, "RUNNER", dataclasses.replace(train.RUNNER, train=diverging))
     results = tune.tune(copy.deepcopy(TINY), tmp_path)
     sgd = results["sgd"]
     assert [p["values"] for p in sgd["points"]] == [

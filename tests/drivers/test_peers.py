@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from experiments import compare, optimizers, peers, runfiles, train
 from experiments import config as config_module
+from experiments import optimizers, peers, runfiles, train
 from experiments.config import ConfigError
 from tests.drivers.test_experiments import assert_same, train_interrupted, without_times
 
@@ -356,7 +356,7 @@ def test_the_shipped_config_trains_the_networks_of_the_like_for_like_page() -> N
     """Laplace is fitted on the page's tuned Adam and SGD networks: the same data, network,
     passes, schedule, seeds, threads and hyperparameters."""
     configs, _ = peers.resolve(config_module.load(CONFIGS / "mnist5k_peers.toml"))
-    page = compare.run_configs(config_module.load(CONFIGS / "mnist5k_like_for_like.toml"))
+    page = config_module.run_configs(config_module.load(CONFIGS / "mnist5k_like_for_like.toml"))
     for label in ("adam", "sgd"):
         assert configs[label] == page[label]
     assert configs["vi"][0]["optimizer"]["mc_samples"] == 1

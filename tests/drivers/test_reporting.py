@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import compare, figures, ood, sparsity
+from experiments import compare, config, figures, ood, sparsity
 from experiments.config import ConfigError
 
 # ------------------------------------------------------------------------- sparsity
@@ -197,13 +197,13 @@ def test_ms_per_step_is_of_the_fastest_pass() -> None:
 
 
 def test_seed_list_from_config_or_flag() -> None:
-    assert compare.seed_list({}) == [0]
-    assert compare.seed_list({"seed": 3}) == [3]
-    assert compare.seed_list({"seeds": [1, 2]}) == [1, 2]
-    assert compare.seed_list({"seeds": [1, 2]}, seeds=[7]) == [7]
+    assert config.seed_list({}) == [0]
+    assert config.seed_list({"seed": 3}) == [3]
+    assert config.seed_list({"seeds": [1, 2]}) == [1, 2]
+    assert config.seed_list({"seeds": [1, 2]}, seeds=[7]) == [7]
     for bad in ({"seed": 1, "seeds": [1]}, {"seeds": []}, {"seeds": [1, 1]}, {"seeds": "0"}):
         with pytest.raises(ConfigError, match="seed"):
-            compare.seed_list(bad)
+            config.seed_list(bad)
 
 
 TINY: dict[str, Any] = {
