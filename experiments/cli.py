@@ -14,21 +14,24 @@ from experiments import config as config_module
 from experiments import distributed
 from experiments.runfiles import RunError
 
-Runner = Callable[..., dict[str, Any]]  # (raw config, out, resume[, seeds=])
+Runner = Callable[..., dict[str, Any]]  # (raw config, out, resume[, seeds=]), or (**options)
 
 
 def run(
     prog: str,
     doc: str | None,
     runner: Runner,
-    show: Callable[[dict[str, Any], Path], None],
+    show: Callable[..., None],
     argv: list[str] | None,
     seeds: Callable[[str], list[int]] | None = None,
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
-    """Parse ``CONFIG [--out DIR] [--resume]``, run ``runner`` and ``show`` its results.
+    """Parse ``CONFIG [--out DIR] [--resume]``, run ``runner`` and ``show(results, out)``.
 
     With ``seeds`` (the parser of its value), ``--seeds`` is an option too, passed on to
-    ``runner`` as ``seeds=``.
+    ``runner`` as ``seeds=``. A driver that reads no config and writes no folder passes
+    ``options`` instead, which adds its own options to the parser in place of those:
+    ``runner`` takes their values as keywords, and ``show`` the results alone.
 
     Config errors, file-system errors, a folder in use, corrupt run files and divergence
     print one line and exit with 2; a torchrun process other than
@@ -37,23 +40,34 @@ def run(
     parser = argparse.ArgumentParser(
         prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("config", type=Path, help="TOML config (or a run's config.json)")
-    parser.add_argument("--out", type=Path, help="output folder (default: results/CONFIG_NAME)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoints")
-    if seeds is not None:
-        parser.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: config's)")
+    if options is not None:
+        options(parser)
+    else:
+        parser.add_argument("config", type=Path, help="TOML config (or a run's config.json)")
+        parser.add_argument("--out", type=Path, help="output folder (default: results/CONFIG_NAME)")
+        parser.add_argument("--resume", action="store_true", help="continue from the checkpoints")
+        if seeds is not None:
+            parser.add_argument(
+                "--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: config's)"
+            )
     args = parser.parse_args(argv)
-    out = args.out or Path("results") / args.config.stem
+    out: Path | None = None
     try:
-        if seeds is not None and args.seeds is not None:
-            runner = partial(runner, seeds=seeds(args.seeds))
-        results = runner(config_module.load(args.config), out, args.resume)
+        if options is not None:
+            results = runner(**vars(args))
+        else:
+            out = args.out or Path("results") / args.config.stem
+            if seeds is not None and args.seeds is not None:
+                runner = partial(runner, seeds=seeds(args.seeds))
+            results = runner(config_module.load(args.config), out, args.resume)
     except (ValueError, OSError, RunError) as err:
         print(f"error: {_message(err)}", file=sys.stderr)
         return 2
     finally:
         distributed.leave()
-    if results:  # empty on torchrun processes other than rank 0
+    if results and out is None:
+        show(results)
+    elif results:  # empty on torchrun processes other than rank 0
         show(results, out)
     return 0
 

@@ -35,6 +35,7 @@ from experiments import train as train_module
 from experiments.ood import SHIFTS
 from experiments.skeleton import CHECKPOINT
 from experiments.sparsity import NEAR_ZERO, init_scale
+from experiments.tables import LEFT, RIGHT, markdown
 from experiments.train import METRICS
 
 # A report column: header, how to read the number from a run's results at an estimate
@@ -132,7 +133,7 @@ def _table(
     """A Markdown table of ``columns``: mean ± sd per run and estimate, or one row per seed."""
     seed_col = ["seed"] if per_seed else []
     head = ["run", "estimate", *seed_col] + [h for h, _, _, _ in columns]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    rows = []
     for label, res in results.items():
         for est in ESTIMATES:
             if not _has(res["summary"], columns, est):
@@ -140,12 +141,12 @@ def _table(
             name = _estimate_label(est, res["summary"], samples[label])
             if not per_seed:
                 cells = [cell(get(res["summary"], est), f, d) for _, get, f, d in columns]
-                lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+                rows.append([label, name, *cells])
                 continue
             for seed, run in res["per_seed"].items():
                 cells = [f"{f * get(run, est):.{d}f}" for _, get, f, d in columns]
-                lines.append(f"| {label} | {name} | {seed} | " + " | ".join(cells) + " |")
-    return lines
+                rows.append([label, name, str(seed), *cells])
+    return markdown(head, rows, [LEFT] * 2 + [RIGHT] * (len(head) - 2))
 
 
 def report(
@@ -199,23 +200,26 @@ def report(
             "† deterministic baseline without a posterior: its average row repeats the point "
             "estimate.",
         ]
-    lines += [
-        "",
-        "## Runs",
-        "",
-        "| run | optimizer | hyperparameters | passes | gradient evaluations per step "
-        "(× SGD) | train (s) | ms per step (fastest pass) | eval (s) |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
-    ]
+    head = ["run", "optimizer", "hyperparameters", "passes"]
+    head += ["gradient evaluations per step (× SGD)", "train (s)", "ms per step (fastest pass)"]
+    runs = []
     for label, res in results.items():
         opt = first_cfgs[label]["optimizer"]
         hyper = ", ".join(f"{k}={v}" for k, v in opt.items() if k != "name" and v != {})
         s = res["summary"]
-        lines.append(
-            f"| {label} | {opt['name']} | {hyper} | {s['epochs']['mean']:g} | "
-            f"{opt.get('mc_samples', 1)} | {cell(s['train_seconds'], 1.0, 1)} | "
-            f"{cell(step_ms(res), 1.0, 1)} | {cell(s['eval_seconds'], 1.0, 1)} |"
+        runs.append(
+            [
+                label,
+                opt["name"],
+                hyper,
+                f"{s['epochs']['mean']:g}",
+                str(opt.get("mc_samples", 1)),
+                cell(s["train_seconds"], 1.0, 1),
+                cell(step_ms(res), 1.0, 1),
+                cell(s["eval_seconds"], 1.0, 1),
+            ]
         )
+    lines += ["", "## Runs", "", *markdown([*head, "eval (s)"], runs, [LEFT] * 3 + [RIGHT] * 5)]
     lines += ["", "## Per-seed values", ""]
     for title, columns in TABLES.items():
         lines += [f"### {title}", "", *_table(columns, results, samples, per_seed=True), ""]

@@ -25,6 +25,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from experiments import figures
+from experiments.tables import LEFT, RIGHT, markdown
 
 ESTIMATES = {"point": "at g", "average": "model average"}
 SUMMARY_KEYS = ("final_accuracy", "first_task", "bwt", "forgetting", "nll", "ece")
@@ -129,47 +130,37 @@ def _estimates(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
 
 def tables(summary: Mapping[str, Mapping[str, Any]], samples: int) -> list[str]:
     """Markdown: the final metrics, then average accuracy after each task."""
-    lines = [
-        "| method | estimate | final avg. accuracy (%) | task 1 after task 1 (%) | BWT (%) | "
-        "forgetting (%) | NLL | ECE |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = ["method", "estimate", "final avg. accuracy (%)", "task 1 after task 1 (%)"]
+    head += ["BWT (%)", "forgetting (%)", "NLL", "ECE"]
+    final, curves = [], []
     for method, by_estimate in _estimates(summary).items():
         for estimate, s in by_estimate.items():
             name = ESTIMATES[estimate] + (f" of {samples}" if estimate == "average" else "")
-            lines.append(
-                f"| {method} | {name} | {_cell(s['final_accuracy'])} | "
-                f"{_cell(s['first_task'])} | {_cell(s['bwt'])} | "
-                f"{_cell(s['forgetting'])} | {_cell(s['nll'], 1.0, 3)} | "
-                f"{_cell(s['ece'], 1.0, 3)} |"
-            )
+            cells = [_cell(s[k]) for k in ("final_accuracy", "first_task", "bwt", "forgetting")]
+            cells += [_cell(s["nll"], 1.0, 3), _cell(s["ece"], 1.0, 3)]
+            final.append([method, name, *cells])
+            curves.append([method, ESTIMATES[estimate], *map(_cell, s["average_accuracy"])])
     tasks = len(next(iter(summary.values()))["point"]["average_accuracy"])
-    lines += [
+    return [
+        *markdown(head, final, [LEFT] * 2 + [RIGHT] * 6),
         "",
         "Average accuracy (%) over the tasks learned so far, after each task:",
         "",
-        "| method | estimate | " + " | ".join(str(t + 1) for t in range(tasks)) + " |",
-        "|---|---|" + "---:|" * tasks,
+        *markdown(
+            ["method", "estimate", *(str(t + 1) for t in range(tasks))],
+            curves,
+            [LEFT] * 2 + [RIGHT] * tasks,
+        ),
     ]
-    for method, by_estimate in _estimates(summary).items():
-        for estimate, s in by_estimate.items():
-            cells = " | ".join(_cell(c) for c in s["average_accuracy"])
-            lines.append(f"| {method} | {ESTIMATES[estimate]} | {cells} |")
-    return lines
 
 
 def matrix_table(mean_matrix: Sequence[Sequence[float]]) -> list[str]:
     """Markdown of a mean accuracy matrix: a row per task, a column per task learned."""
     r = np.asarray(mean_matrix)
     t = len(r)
-    lines = [
-        "| task \\ after | " + " | ".join(str(j + 1) for j in range(t)) + " |",
-        "|---|" + "---:|" * t,
-    ]
-    for i in range(t):
-        cells = " | ".join(f"{100 * r[i, j]:.1f}" for j in range(t))
-        lines.append(f"| {i + 1} | {cells} |")
-    return lines
+    rows = [[str(i + 1), *(f"{100 * r[i, j]:.1f}" for j in range(t))] for i in range(t)]
+    head = ["task \\ after", *(str(j + 1) for j in range(t))]
+    return markdown(head, rows, [LEFT] + [RIGHT] * t)
 
 
 def average_accuracy_figure(
@@ -247,17 +238,23 @@ def report(
         "",
         "## Methods",
         "",
-        "| method | strategy | optimizer | hyperparameters | train (s) | eval (s) |",
-        "|---|---|---|---|---:|---:|",
     ]
+    methods = []
     for label, by_seed in configs.items():
         method = next(iter(by_seed.values()))["method"]
         s = summary[label]
-        lines.append(
-            f"| {label} | {method['strategy']} | {method['optimizer']['name']} | "
-            f"{_hyperparameters(method)} | {_cell(s['train_seconds'], 1.0, 1)} | "
-            f"{_cell(s['eval_seconds'], 1.0, 1)} |"
+        methods.append(
+            [
+                label,
+                method["strategy"],
+                method["optimizer"]["name"],
+                _hyperparameters(method),
+                _cell(s["train_seconds"], 1.0, 1),
+                _cell(s["eval_seconds"], 1.0, 1),
+            ]
         )
+    head = ["method", "strategy", "optimizer", "hyperparameters", "train (s)", "eval (s)"]
+    lines += markdown(head, methods, [LEFT] * 4 + [RIGHT] * 2)
     lines += ["", "## Accuracy matrices (mean over seeds, %)", ""]
     for label, by_estimate in _estimates(summary).items():
         for estimate, s in by_estimate.items():

@@ -28,6 +28,7 @@ from typing import Any
 
 from experiments import cli, continual, tune
 from experiments.config import ConfigError
+from experiments.tables import LEFT, RIGHT, markdown
 
 METRICS = ("final_accuracy", "nll")
 METHOD_KEYS = {key for keys in continual.STRATEGIES.values() for key in keys}
@@ -79,8 +80,7 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
         keys = list(res["points"][0]["values"])
         head = ["point", *keys, "final acc. at g", "final acc. average", "task 1 at g"]
         head += ["forgetting at g", "NLL at g", "NLL average", "train (s)", ""]
-        lines += [f"## {label}", "", "| " + " | ".join(head) + " |"]
-        lines.append("|" + "---:|" * (len(head) - 1) + "---|")
+        rows = []
         for i, row in enumerate(res["points"]):
             cells = [str(i), *(f"{row['values'][k]}" for k in keys)]
             runs = row["runs"]
@@ -97,8 +97,9 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
                     f"{statistics.fmean(r['train_seconds'] for r in runs):.0f}",
                 ]
             cells.append("←" if i == res["chosen"] else "")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+            rows.append(cells)
+        align = [RIGHT] * (len(head) - 1) + [LEFT]
+        lines += [f"## {label}", "", *markdown(head, rows, align), ""]
     return "\n".join(lines)
 
 

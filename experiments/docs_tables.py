@@ -39,6 +39,7 @@ from typing import Any
 
 from experiments import runfiles
 from experiments.compare import summarise
+from experiments.tables import LEFT, RIGHT, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout: its README.md, docs/ and docs/results/."""
@@ -148,8 +149,9 @@ class Metric:
 
 @dataclass(frozen=True)
 class Table:
-    """A Markdown table of the summary ``summary``: text columns (header, alignment ``---``
-    or ``---:``), then ``metrics``; one row per (label, estimate, text cells)."""
+    """A Markdown table of the summary ``summary``: text columns (header, alignment
+    :data:`~experiments.tables.LEFT` or :data:`~experiments.tables.RIGHT`), then ``metrics``;
+    one row per (label, estimate, text cells)."""
 
     summary: str
     text: tuple[tuple[str, str], ...]
@@ -160,8 +162,8 @@ class Table:
 def table(spec: Table, summaries: Mapping[str, Any]) -> str:
     """The Markdown of ``spec`` with the numbers of ``summaries``."""
     head = [h for h, _ in spec.text] + [m.header for m in spec.metrics]
-    align = [a for _, a in spec.text] + ["---:"] * len(spec.metrics)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    align = [a for _, a in spec.text] + [RIGHT] * len(spec.metrics)
+    rows = []
     for label, estimate, cells in spec.rows:
         values = [
             number(
@@ -170,8 +172,8 @@ def table(spec: Table, summaries: Mapping[str, Any]) -> str:
             )
             for m in spec.metrics
         ]
-        lines.append("| " + " | ".join([*cells, *values]) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append([*cells, *values])
+    return "\n".join(markdown(head, rows, align)) + "\n"
 
 
 def render(text: str, summaries: Mapping[str, Any], tables: Mapping[str, Table]) -> str:
@@ -211,7 +213,7 @@ SPARSITY = (
     Metric("Hoyer", "sparsity.{est}.hoyer"),
 )
 OOD = tuple(Metric(s, f"ood.{s}.{{est}}") for s in ("rotated", "permuted", "noise"))
-RULE_ESTIMATE = (("rule", "---"), ("estimate", "---"))
+RULE_ESTIMATE = (("rule", LEFT), ("estimate", LEFT))
 ESTIMATE_NAMES = {"point": "at g", "mean": "at the mean", "average": "average of 32"}
 CPU_DEFAULT_ROWS = tuple(
     (rule, est, (rule, ESTIMATE_NAMES[est]))
@@ -239,7 +241,7 @@ TABLES: dict[str, Table] = {
     "cpu_default/ood": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, OOD),
     "readme/cpu_default": Table(
         "cpu_default",
-        (("rule", "---"), ("samples per step", "---:"), ("estimate", "---")),
+        (("rule", LEFT), ("samples per step", RIGHT), ("estimate", LEFT)),
         tuple(
             (rule, est, (*README_RULES[rule], ESTIMATE_NAMES[est].removesuffix(" of 32")))
             for rule, est, _ in CPU_DEFAULT_ROWS

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,9 +40,11 @@ from torch.nn.functional import cross_entropy
 from tqdm import tqdm
 
 import liegroup_blr as lgb
+from experiments import cli, skeleton
 from experiments.data import load_dataset, test_batches, train_batches
 from experiments.models import build_model
 from experiments.sparsity import first_layer, sparsity
+from experiments.tables import LEFT, RIGHT, markdown
 from liegroup_blr import predictive
 from liegroup_blr.noise import FreshNoise, TableNoise
 
@@ -109,7 +112,7 @@ def run(
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Train the network; one row of first-layer log-g⁺ and |θ| statistics per pass, and the
     final test metrics and sparsity."""
-    torch.manual_seed(seed)
+    skeleton.seed_everything(seed)
     data = load_dataset("mnist5k", "data")
     model = build_model("mlp", (1, 28, 28), 10, widths=widths, activation="tanh")
     weight = first_layer(model)
@@ -119,7 +122,9 @@ def run(
     )
     log_g0 = opt.group_element(weight)["g+"].log()
     rng, rows = torch.Generator().manual_seed(seed), []
-    for epoch in tqdm(range(passes), desc=f"{noise} noise", leave=False):
+
+    def train_pass(epoch: int) -> float:
+        losses = []
         for x, y in train_batches(data, 50, rng, torch.device("cpu")):
 
             def closure(x: Tensor = x, y: Tensor = y) -> Tensor:
@@ -128,8 +133,11 @@ def run(
                 loss.backward()
                 return loss.detach()
 
-            opt.step(closure)
-        schedule.step()
+            losses.append(float(opt.step(closure)))
+        return sum(losses) / len(losses)
+
+    epochs = skeleton.timed_epochs(0, passes, train_pass, schedule)
+    for epoch, *_ in tqdm(epochs, total=passes, desc=f"{noise} noise", leave=False):
         walk = opt.group_element(weight)["g+"].log() - log_g0
         theta = weight.detach().abs()
         median = theta.median().item()
@@ -162,33 +170,43 @@ def _final(model: torch.nn.Module, opt: lgb.MultiplicativeBLR, data: Any) -> dic
 def _table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
     keys = [k for k in rows[0][1] if k != "pass"]
     lead = ["noise", "pass"] if "pass" in rows[0][1] else ["noise"]
-    lines = ["| " + " | ".join(lead + keys) + " |", "|---|" + "---:|" * (len(lead) - 1 + len(keys))]
-    for noise, row in rows:
-        cells = [noise] + ([str(row["pass"])] if "pass" in row else [])
-        lines.append("| " + " | ".join(cells + [f"{row[k]:.4g}" for k in keys]) + " |")
-    return lines
+    cells = [
+        [noise, *([str(row["pass"])] if "pass" in row else []), *(f"{row[k]:.4g}" for k in keys)]
+        for noise, row in rows
+    ]
+    return markdown(lead + keys, cells, [LEFT] + [RIGHT] * (len(lead) - 1 + len(keys)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.log_g_walk",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--widths", type=int, nargs="*", default=[128], help="hidden widths")
     parser.add_argument("--passes", type=int, default=26)
     parser.add_argument("--samples", type=int, default=4, help="MC samples per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--noise", nargs="+", choices=NOISES, default=list(NOISES))
-    args = parser.parse_args(argv)
-    if args.passes < 1 or args.samples < 1:
-        parser.error("--passes and --samples must be >= 1")
-    results = {n: run(n, args.widths, args.passes, args.samples, args.seed) for n in args.noise}
-    shown = sorted({1, args.passes // 4, args.passes // 2, args.passes} - {0})
+
+
+def walk(
+    widths: list[int], passes: int, samples: int, seed: int, noise: Sequence[str]
+) -> dict[str, Any]:
+    """:func:`run` under each noise: noise → (a row per pass, the final metrics)."""
+    if passes < 1 or samples < 1:
+        raise ValueError("--passes and --samples must be >= 1")
+    return {n: run(n, widths, passes, samples, seed) for n in noise}
+
+
+def show(results: dict[str, Any]) -> None:
+    """Print the walk after the first pass, a quarter, half and all of them, then the final
+    metrics."""
+    passes = len(next(iter(results.values()))[0])
+    shown = sorted({1, passes // 4, passes // 2, passes} - {0})
     walks = [(n, row) for n, (rows, _) in results.items() for row in rows if row["pass"] in shown]
     print("\n".join(_table(walks)) + "\n")
     print("\n".join(_table([(n, final) for n, (_, final) in results.items()])))
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m experiments.log_g_walk"
+    return cli.run(prog, __doc__, walk, show, argv, options=_options)
 
 
 if __name__ == "__main__":

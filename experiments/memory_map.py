@@ -58,6 +58,7 @@ from experiments.data import Dataset, load_dataset
 from experiments.distributed import Processes
 from experiments.progress import Planned
 from experiments.skeleton import ProgressHook
+from experiments.tables import LEFT, RIGHT, markdown
 from experiments.train import (
     CHECKPOINT,
     RESULTS,
@@ -786,6 +787,8 @@ def report(
 ) -> str:
     """Markdown: per run, the agreement of every ranking with leave-one-out retraining on the
     random examples, the floors, and the flipped labels found; mean ± sd over seeds."""
+    head = ["epochs", "ranking", "Spearman, ‖Δp‖₁", "Spearman, ‖Δf‖₁", "Spearman, drift of p"]
+    head += ["Spearman, drift of f", "median estimate ÷ truth"]
     lines = ["# Memory maps against leave-one-out retraining", ""]
     for label, res in results.items():
         s = res["summary"]
@@ -800,20 +803,17 @@ def report(
             "(‖Δp‖₁) and of the logits (‖Δf‖₁), and with the drift (the change retraining "
             "alone makes); median estimate ÷ the true change it estimates.",
             "",
-            "| epochs | ranking | Spearman, ‖Δp‖₁ | Spearman, ‖Δf‖₁ | Spearman, drift of p | "
-            "Spearman, drift of f | median estimate ÷ truth |",
-            "|---:|---|---:|---:|---:|---:|---:|",
         ]
+        rows = []
         for epoch, entry in s["retraining"].items():
             for name in [*RANKINGS, "default", *BASELINES]:
                 p, f = entry[name]["probabilities"], entry[name]["logits"]
                 own = f if name.split(":")[-1].startswith("logits") else p
                 ratio = _mean_sd(own["median_ratio"], 3) if ":" in name else "—"
-                lines.append(
-                    f"| {epoch} | {name} | {_mean_sd(p['spearman'])} | "
-                    f"{_mean_sd(f['spearman'])} | {_mean_sd(p['drift'])} | "
-                    f"{_mean_sd(f['drift'])} | {ratio} |"
-                )
+                cells = [_mean_sd(p["spearman"]), _mean_sd(f["spearman"])]
+                cells += [_mean_sd(p["drift"]), _mean_sd(f["drift"])]
+                rows.append([str(epoch), name, *cells, ratio])
+        lines += markdown(head, rows, [RIGHT, LEFT] + [RIGHT] * 5)
         lines.append("")
         for epoch, entry in s["retraining"].items():
             for space in SPACES:

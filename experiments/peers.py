@@ -41,6 +41,7 @@ from experiments import cli, compare, ood, runfiles, skeleton
 from experiments import config as config_module
 from experiments.data import test_batches
 from experiments.distributed import Processes
+from experiments.tables import LEFT, RIGHT, markdown
 from experiments.train import CHECKPOINT, RESULTS, Run, build, load_checkpoint
 from liegroup_blr import predictive
 
@@ -304,20 +305,20 @@ def report(
         "",
         _setting(first, next(iter(results.values()))),
         "",
-        "| " + " | ".join(HEAD) + " |",
-        "|---|---|" + "---:|" * (len(HEAD) - 2),
     ]
+    means, per_seed = [], []
     for label, est, run, name in table:
         res = results[label]["summary"]
-        cells = [compare.cell(get(res, est), f, d) for _, get, f, d in COLUMNS]
-        lines.append(f"| {run} | {name} | " + " | ".join(cells) + " |")
+        means.append([run, name, *(compare.cell(get(res, est), f, d) for _, get, f, d in COLUMNS)])
+        for seed, one in results[label]["per_seed"].items():
+            cells = [f"{f * get(one, est):.{d}f}" for _, get, f, d in COLUMNS]
+            per_seed.append([run, name, str(seed), *cells])
+    lines += markdown(HEAD, means, [LEFT] * 2 + [RIGHT] * (len(HEAD) - 2))
     lines += ["", *_fits(table, laplace, results), "", *_runs(configs, results), ""]
-    lines += ["## Per-seed values", "", "| " + " | ".join([*HEAD[:2], "seed", *HEAD[2:]]) + " |"]
-    lines.append("|---|---|---|" + "---:|" * (len(HEAD) - 2))
-    for label, est, run, name in table:
-        for seed, res in results[label]["per_seed"].items():
-            cells = [f"{f * get(res, est):.{d}f}" for _, get, f, d in COLUMNS]
-            lines.append(f"| {run} | {name} | {seed} | " + " | ".join(cells) + " |")
+    lines += ["## Per-seed values", ""]
+    lines += markdown(
+        [*HEAD[:2], "seed", *HEAD[2:]], per_seed, [LEFT] * 3 + [RIGHT] * (len(HEAD) - 2)
+    )
     lines += ["", "Training curves and per-run figures: [networks/report.md](networks/report.md)."]
     return "\n".join(lines)
 
@@ -344,46 +345,35 @@ def _fits(
 ) -> list[str]:
     """The Laplace fits (the rows whose label is ``NETWORK.FIT``): backend, prior precision
     chosen, wall times."""
-    lines = [
-        "## Laplace fits",
-        "",
-        "| fit | backend | prior precision (marginal likelihood) | fit (s) | "
-        "predictive on the test and shifted inputs (s) |",
-        "|---|---|---:|---:|---:|",
-    ]
     fits = {
         f"{n}.{name}": fit for n in laplace["networks"] for name, fit in laplace["fits"].items()
     }
+    rows = []
     for label, _, run, _ in table:
         if label not in fits:
             continue
         s, fit = results[label]["summary"], fits[label]
         times = [compare.cell(s[k], 1.0, 1) for k in ("fit_seconds", "predict_seconds")]
-        lines.append(
-            f"| {run} | {fit['backend'] or 'laplace-torch default'} | "
-            f"{compare.cell(s['prior_precision'], 1.0, 2)} | {times[0]} | {times[1]} |"
-        )
-    return lines
+        backend = fit["backend"] or "laplace-torch default"
+        rows.append([run, backend, compare.cell(s["prior_precision"], 1.0, 2), *times])
+    head = ["fit", "backend", "prior precision (marginal likelihood)", "fit (s)"]
+    head += ["predictive on the test and shifted inputs (s)"]
+    return ["## Laplace fits", "", *markdown(head, rows, [LEFT] * 2 + [RIGHT] * 3)]
 
 
 def _runs(configs: dict[str, dict[int, dict[str, Any]]], results: dict[str, Any]) -> list[str]:
     """The trained runs: hyperparameters, passes, wall time, step time."""
-    lines = [
-        "## Runs",
-        "",
-        "| run | optimizer | hyperparameters | passes | train (s) | ms per step (fastest pass) |",
-        "|---|---|---|---:|---:|---:|",
-    ]
+    rows = []
     for label, by_seed in configs.items():
         opt = next(iter(by_seed.values()))["optimizer"]
         hyper = ", ".join(f"{k}={v}" for k, v in opt.items() if k != "name" and v != {})
         s = results[label]["summary"]
-        lines.append(
-            f"| {label} | {opt['name']} | {hyper} | {s['epochs']['mean']:g} | "
-            f"{compare.cell(s['train_seconds'], 1.0, 1)} | "
-            f"{compare.cell(compare.step_ms(results[label]), 1.0, 1)} |"
-        )
-    return lines
+        times = [compare.cell(s["train_seconds"], 1.0, 1)]
+        times.append(compare.cell(compare.step_ms(results[label]), 1.0, 1))
+        rows.append([label, opt["name"], hyper, f"{s['epochs']['mean']:g}", *times])
+    head = ["run", "optimizer", "hyperparameters", "passes", "train (s)"]
+    head += ["ms per step (fastest pass)"]
+    return ["## Runs", "", *markdown(head, rows, [LEFT] * 3 + [RIGHT] * 3)]
 
 
 def _show(results: dict[str, Any], out: Path) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from experiments import cli, compare, runfiles, skeleton
 from experiments import config as config_module
 from experiments import train as train_module
+from experiments.tables import LEFT, RIGHT, markdown
 from experiments.train import DivergedError
 
 METRICS = ("nll", "accuracy", "ece", "brier")
@@ -194,8 +195,7 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
         head = ["point", *keys]
         head += [f"{m} {e}" for e in ESTIMATES for m in METRICS]
         head += ["ms per step (fastest pass)", ""]
-        lines += [f"## {label}", "", "| " + " | ".join(head) + " |"]
-        lines.append("|" + "---:|" * (len(head) - 1) + "---|")
+        rows = []
         for i, row in enumerate(res["points"]):
             cells = [
                 str(i),
@@ -217,8 +217,9 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
                 ]
                 cells.append(f"{statistics.fmean(compare.ms_per_step(r) for r in runs):.1f}")
             cells.append("←" if i == res["chosen"] else "")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
+            rows.append(cells)
+        align = [RIGHT] * (len(head) - 1) + [LEFT]
+        lines += [f"## {label}", "", *markdown(head, rows, align), ""]
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
 """What the reports say: sparsity measures, out-of-distribution AUROC, summaries over seeds,
-robust filter colours, and compare over several seeds (issue 10)."""
+robust filter colours, the Markdown tables, and compare over several seeds (issue 10)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,24 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import compare, config, figures, ood, sparsity
+from experiments import cli, compare, config, figures, ood, sparsity, tables
 from experiments.config import ConfigError
+
+
+# ------------------------------------------------------------------- Markdown tables
+def test_a_markdown_table_is_its_header_separator_and_rows() -> None:
+    head = ["run", "seed", "NLL", ""]
+    rows = iter([["sgd", "0", "0.3120", "←"], ["affine, t", "1", "n/a", ""]])
+    lines = tables.markdown(head, rows, [tables.LEFT, tables.RIGHT, tables.RIGHT, tables.LEFT])
+    assert lines == [
+        "| run | seed | NLL |  |",
+        "|---|---:|---:|---|",
+        "| sgd | 0 | 0.3120 | ← |",
+        "| affine, t | 1 | n/a |  |",
+    ]
+    assert tables.markdown(["a", "b"], [], tables.RIGHT) == ["| a | b |", "|---:|---:|"]
+    assert tables.markdown(["a"], [("x",)]) == ["| a |", "|---|", "| x |"]  # left by default
+
 
 # ------------------------------------------------------------------------- sparsity
 
@@ -314,3 +330,35 @@ def test_log_g_walk_runs_each_noise_and_reports_final_metrics(
     for noise in log_g_walk.NOISES:
         assert out.count(f"| {noise} |") == 2  # one walk row (pass 1), one final row
     assert "accuracy g" in out and "nll avg" in out and "hoyer" in out
+
+
+def test_a_command_with_options_instead_of_a_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """:func:`cli.run` with ``options``: the runner takes the parsed options as keywords and
+    ``show`` its results alone; a ValueError is one line and exit status 2."""
+
+    def options(parser: Any) -> None:
+        parser.add_argument("--width", type=int, default=3)
+
+    def runner(width: int) -> dict[str, Any]:
+        if width < 1:
+            raise ValueError("--width must be >= 1")
+        return {"width": width}
+
+    def show(results: dict[str, Any]) -> None:
+        print(f"shown {results}")
+
+    assert cli.run("prog", None, runner, show, ["--width", "5"], options=options) == 0
+    assert capsys.readouterr().out == "shown {'width': 5}\n"
+    assert cli.run("prog", None, runner, show, [], options=options) == 0
+    assert capsys.readouterr().out == "shown {'width': 3}\n"
+    assert cli.run("prog", None, runner, show, ["--width", "0"], options=options) == 2
+    assert capsys.readouterr().err == "error: --width must be >= 1\n"
+    with pytest.raises(SystemExit):  # no config, --out or --resume
+        cli.run("prog", None, runner, show, ["config.toml"], options=options)
+
+
+def test_log_g_walk_refuses_no_passes_before_it_trains(capsys: pytest.CaptureFixture[str]) -> None:
+    from experiments import log_g_walk
+
+    assert log_g_walk.main(["--passes", "0"]) == 2
+    assert capsys.readouterr().err == "error: --passes and --samples must be >= 1\n"

@@ -78,7 +78,7 @@ def test_restore_hands_entries_to_their_loaders_and_names_a_foreign_checkpoint(
         path, {"a": lambda v: seen.update(a=v), "b": None}, lambda s: int(s["epoch"])
     )
     assert (epoch, seen) == (5, {"a": 1})
-    with pytest.raises(runfiles.CorruptFileError, match="checkpoint .* not of this run"):
+    with pytest.raises(runfiles.CorruptFileError, match=r"checkpoint .* not of this run"):
         skeleton.restore(path, {"missing": print}, lambda s: None)
 
 
@@ -142,7 +142,7 @@ def test_prepare_folder_restarts_a_changed_unfinished_run_and_refuses_a_finished
     assert "'a', seed 0: its config changed, it starts again" in capsys.readouterr().out
     assert not (started / "checkpoint.pt").exists() and (finished / "checkpoint.pt").exists()
     assert json.loads((tmp_path / "config.json").read_text()) == changed
-    with pytest.raises(ConfigError, match="changes run.*'b' seed 0 \\(finished\\)"):
+    with pytest.raises(ConfigError, match=r"changes run.*'b' seed 0 \(finished\)"):
         skeleton.prepare_folder(tmp_path, {**changed, "b": {"0": {"lr": 3}}}, True)
 
 

@@ -264,3 +264,15 @@ def test_what_the_parameters_hold_is_never_compared_as_a_string():
                 if "between_steps" in names:
                     compared.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not compared
+
+
+def test_only_the_table_writer_writes_a_markdown_table():
+    """Every report's tables come from :func:`experiments.tables.markdown`: no other module
+    of experiments/ writes a separator line (``|---``) or joins cells with `` | ``."""
+    writers = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "experiments").rglob("*.py"))
+        if path.name != "tables.py"
+        and any(s in path.read_text(encoding="utf-8") for s in ('"|---', '" | ".join'))
+    ]
+    assert not writers
