@@ -60,6 +60,7 @@ from experiments import cli, continual_report, runfiles, skeleton
 from experiments import config as config_module
 from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
 from experiments.data import DATASETS, Dataset, load_dataset, validation_split
+from experiments.evaluate import posterior_mean
 from experiments.ewc import OnlineEWC, diagonal_fisher
 from experiments.models import ACTIVATIONS, MLP
 from experiments.optimizers import build_optimizer, lr_factor
@@ -434,12 +435,18 @@ def _metrics(learner: Learner, log_probs: list[Tensor], t: int) -> dict[str, Any
 
 
 def evaluate(learner: Learner, t: int) -> dict[str, Any]:
-    """The test metrics of every task after task t at the point estimate and, for a rule, of
-    the model average of ``[eval] samples`` posterior samples (drawn from the posterior
-    object with a generator seeded by the run's seed: the same draws at every evaluation)."""
+    """The test metrics of every task after task t at the point estimate and, for a rule, at
+    the posterior mean E[θ] where it is another point (:func:`experiments.evaluate.
+    posterior_mean`: the multiplicative rule's E[ξ](g⁺ − g⁻)) and of the model average of
+    ``[eval] samples`` posterior samples (drawn from the posterior object with a generator
+    seeded by the run's seed: the same draws at every evaluation)."""
     row: dict[str, Any] = {"task": t + 1, "point": _metrics(learner, _log_probs(learner), t)}
     if learner.strategy != "posterior":
         return row
+    mean = posterior_mean(learner.model, learner.optimizer)
+    if mean is not None:
+        with mean.at_point_estimate(learner.model):
+            row["mean"] = _metrics(learner, _log_probs(learner), t)
     post = _posterior(learner.optimizer, learner.model)
     device = learner.masks.device
     generator = torch.Generator(device=device).manual_seed(learner.cfg["seed"])
@@ -613,7 +620,7 @@ def _learn(
 
 def _report_task(row: dict[str, Any]) -> None:
     t = row["task"]
-    for estimate in ("point", "average"):
+    for estimate in continual_report.ESTIMATES:
         if estimate in row:
             m = row[estimate]
             accs = " ".join(f"{100 * a:.1f}" for a in m["accuracy"][:t])

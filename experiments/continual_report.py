@@ -27,7 +27,7 @@ from numpy.typing import ArrayLike
 from experiments import figures
 from experiments.tables import LEFT, RIGHT, markdown
 
-ESTIMATES = {"point": "at g", "average": "model average"}
+ESTIMATES = {"point": "at g", "mean": "at the mean", "average": "model average"}
 SUMMARY_KEYS = ("final_accuracy", "first_task", "bwt", "forgetting", "nll", "ece")
 
 

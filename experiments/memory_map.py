@@ -56,6 +56,7 @@ from experiments import cli, figures, runfiles, skeleton
 from experiments import config as config_module
 from experiments.data import Dataset, load_dataset
 from experiments.distributed import Processes
+from experiments.evaluate import posterior_mean
 from experiments.progress import Planned
 from experiments.skeleton import ProgressHook
 from experiments.tables import LEFT, RIGHT, markdown
@@ -238,13 +239,18 @@ def _check_data(configs: dict[str, dict[int, dict[str, Any]]]) -> None:
 
 
 def metrics_on_test(run: Run, samples: int) -> dict[str, Any]:
-    """Test metrics at the point estimate and of the model average of ``samples``."""
+    """Test metrics at the point estimate, at the posterior mean where it is another point
+    (:func:`experiments.evaluate.posterior_mean`) and of the model average of ``samples``."""
     data = run.data
     x = data.normalize(data.to_unit(data.test_x)).to(run.device)
     y = data.test_y.to(run.device)
-    point = predictive.predictive_log_probs(run.model, [x])
+    out = {"point": predictive.metrics(predictive.predictive_log_probs(run.model, [x]), y)}
+    mean = posterior_mean(run.model, run.optimizer)
+    if mean is not None:
+        with mean.at_point_estimate(run.model):
+            out["mean"] = predictive.metrics(predictive.predictive_log_probs(run.model, [x]), y)
     average = predictive.predictive_log_probs(run.model, [x], run.optimizer, samples)
-    return {"point": predictive.metrics(point, y), "average": predictive.metrics(average, y)}
+    return {**out, "average": predictive.metrics(average, y)}
 
 
 # --------------------------------------------------------------------- scores
@@ -769,12 +775,15 @@ def _conditions(cfg: dict[str, Any], res: dict[str, Any], memory: dict[str, Any]
     """The settings every number of a run's section was measured under."""
     s, one = res["summary"], next(iter(res["per_seed"].values()))
     opt, seeds = cfg["optimizer"], res["per_seed"]
+    at_mean = ""
+    if "mean" in s["test"]:
+        at_mean = f"{_mean_sd(s['test']['mean']['accuracy'], 4)} at the posterior mean, "
     return (
         f"{cfg['model']['name']} {cfg['model'].get('widths', '')} on {cfg['data']['name']} "
         f"({one['train_size']} train / {one['test_size']} test), {cfg['schedule']['epochs']} "
         f"passes, batch {cfg['data']['batch_size']}, {opt.get('mc_samples', 1)} samples per "
         f"step; {len(seeds)} seed{'s' if len(seeds) > 1 else ''}; test accuracy "
-        f"{_mean_sd(s['test']['point']['accuracy'], 4)} at the point estimate, "
+        f"{_mean_sd(s['test']['point']['accuracy'], 4)} at the point estimate, {at_mean}"
         f"{_mean_sd(s['test']['average']['accuracy'], 4)} averaged over {memory['samples']} "
         f"posterior samples."
     )

@@ -374,6 +374,32 @@ def test_the_posterior_of_a_rule_is_saved_and_becomes_the_prior(tmp_path: Path) 
     assert learner.optimizer.param_groups[0]["prior_precision"] == 0.0
 
 
+def test_the_multiplicative_rule_is_also_evaluated_at_its_posterior_mean() -> None:
+    """At the mean E[θ] = E[ξ](g⁺ − g⁻), √(π/2)·g for Rayleigh(1): the row's "mean" metrics
+    are those of the network scaled by √(π/2), and the parameters are restored bit for bit;
+    the affine rule's mean is g, so its rows have no "mean"."""
+    raw = smoke()
+    raw["methods"]["mult"] = {
+        "strategy": "posterior",
+        "optimizer": {"name": "multiplicative", "lr": 1.0, "temperature": 0.01},
+    }
+    learner = continual.build(continual.resolve(raw, "mult", 0))
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    row = continual.evaluate(learner, 0)
+    assert all(torch.equal(a, p) for a, p in zip(before, learner.model.parameters(), strict=True))
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.mul_(math.sqrt(math.pi / 2))
+    scaled = continual._metrics(learner, continual._log_probs(learner), 0)
+    assert row["mean"]["accuracy"] == pytest.approx(scaled["accuracy"])
+    assert row["mean"]["seen"]["nll"] == pytest.approx(scaled["seen"]["nll"], rel=1e-5)
+    assert row["mean"]["seen"]["nll"] != pytest.approx(row["point"]["seen"]["nll"], rel=1e-3)
+    affine = continual.build(continual.resolve(raw, "affine", 0))
+    assert set(continual.evaluate(affine, 0)) == {"task", "point", "average"}
+    rows = [{**r, "train_seconds": 1.0, "eval_seconds": 1.0} for r in (row, row)]
+    assert list(continual_report.run_summary(rows))[:3] == ["point", "mean", "average"]
+
+
 def test_the_prior_removed_keeps_the_first_task_s_regularisers(tmp_path: Path) -> None:
     """prior = "initial": after the boundary no prior is set and the param groups hold the
     configured δ again; the default carries the posterior over (the optimizer's state dict

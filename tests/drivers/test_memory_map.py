@@ -92,6 +92,9 @@ def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
             assert rows[:3] == runfiles.read_jsonl(folder / mm.RETRAIN)[:3]
         summary = json.loads((folder / mm.SUMMARY).read_text())
         assert summary["method"] == {"affine": "jacobian", "multiplicative": "samples"}[label]
+        mean = ["mean"] if label == "multiplicative" else []  # E[θ] = E[ξ](g⁺ − g⁻) ≠ g
+        assert list(summary["test"]) == ["point", *mean, "average"]
+        assert list(summary["flip_test"]) == list(summary["test"])
         assert set(summary["retraining"]) == {"1", "2"}
         entry = summary["retraining"]["2"]
         assert entry["random"] == 2  # the correlations are over the random examples only
