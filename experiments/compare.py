@@ -202,6 +202,7 @@ def report(
         ]
     head = ["run", "optimizer", "hyperparameters", "passes"]
     head += ["gradient evaluations per step (× SGD)", "train (s)", "ms per step (fastest pass)"]
+    head += ["eval (s)"]
     runs = []
     for label, res in results.items():
         opt = first_cfgs[label]["optimizer"]
@@ -219,7 +220,7 @@ def report(
                 cell(s["eval_seconds"], 1.0, 1),
             ]
         )
-    lines += ["", "## Runs", "", *markdown([*head, "eval (s)"], runs, [LEFT] * 3 + [RIGHT] * 5)]
+    lines += ["", "## Runs", "", *markdown(head, runs, [LEFT] * 3 + [RIGHT] * 5)]
     lines += ["", "## Per-seed values", ""]
     for title, columns in TABLES.items():
         lines += [f"### {title}", "", *_table(columns, results, samples, per_seed=True), ""]

@@ -12,9 +12,8 @@ label → seed → run config (:mod:`experiments.config`), then::
 
 where ``RUNNER`` (:class:`Runner`) trains one run into its folder. That trainer seeds with
 :func:`seed_everything`, checks its folder with :func:`check_run_folder` and
-:func:`check_same_config`, restores with
-:func:`restore`, trains with :func:`timed_epochs` and saves its checkpoint with every RNG state
-of :func:`rng_state` after every epoch.
+:func:`check_same_config`, restores with :func:`restore`, trains with :func:`timed_epochs`
+and saves its checkpoint with every RNG state of :func:`rng_state` after every epoch.
 """
 
 from __future__ import annotations
