@@ -233,12 +233,33 @@ README_RULES = {
     "ivon": ("IVON", "1"),
 }
 
+REFERENCE_ROWS = tuple(
+    (rule, est, (rule, ESTIMATE_NAMES[est]))
+    for rule, estimates in (
+        ("sgd", ("point",)),
+        ("additive", ("point", "average")),
+        ("multiplicative", ("point", "mean", "average")),
+    )
+    for est in estimates
+)
+"""Rows of the reference network's tables: SGD at g, the additive rule at g and averaged, the
+multiplicative rule also at its posterior mean."""
+
 TABLES: dict[str, Table] = {
     "cpu_default/predictive": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, PREDICTIVE),
     "cpu_default/sparsity": Table(
         "cpu_default", RULE_ESTIMATE, CPU_DEFAULT_SPARSITY_ROWS, SPARSITY
     ),
     "cpu_default/ood": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, OOD),
+    "mnist5k_reference/predictive": Table(
+        "mnist5k_reference", RULE_ESTIMATE, REFERENCE_ROWS, PREDICTIVE
+    ),
+    "mnist5k_reference/sparsity": Table(
+        "mnist5k_reference",
+        RULE_ESTIMATE,
+        tuple(row for row in REFERENCE_ROWS if row[1] != "mean"),
+        SPARSITY,
+    ),
     "readme/cpu_default": Table(
         "cpu_default",
         (("rule", LEFT), ("samples per step", RIGHT), ("estimate", LEFT)),
