@@ -186,8 +186,10 @@ def render(text: str, summaries: Mapping[str, Any], tables: Mapping[str, Table])
             f"<!-- table {m['name']} -->\n{table(tables[m['name']], summaries)}<!-- end table -->"
         )
 
+    filled = TABLE.sub(fill_table, text)
+
     def fill_number(m: re.Match[str]) -> str:
-        if not text[text.rfind("\n", 0, m.start()) + 1 : m.start()].strip():
+        if not filled[filled.rfind("\n", 0, m.start()) + 1 : m.start()].strip():
             raise ValueError(
                 f"{m[0][:60]!r} begins a line, where Markdown reads it as a block of HTML: "
                 "move it after a word"
@@ -195,7 +197,7 @@ def render(text: str, summaries: Mapping[str, Any], tables: Mapping[str, Table])
         value = number(stat(summaries, m["summary"], m["label"], m["key"]), m["format"])
         return m[0][: m.start("text") - m.start()] + value + "<!-- /n -->"
 
-    return NUMBER.sub(fill_number, TABLE.sub(fill_table, text))
+    return NUMBER.sub(fill_number, filled)
 
 
 # ------------------------------------------------------------------- the pages' tables

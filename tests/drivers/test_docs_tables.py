@@ -114,6 +114,15 @@ def test_a_marker_without_its_number_is_an_error(marker: str, message: str) -> N
         docs_tables.render(marker, {"tiny": SUMMARY}, {"tiny/accuracy": SPEC})
 
 
+def test_a_number_after_a_table_filled_for_the_first_time_is_found_mid_line() -> None:
+    """The line-start check reads the page with its tables filled (an empty table above a
+    number moves it)."""
+    number = "<!-- n tiny a point.accuracy 1:3 -->x<!-- /n -->"
+    page = f"<!-- table tiny/accuracy -->\n<!-- end table -->\nsee\n  x {number}\n"
+    filled = docs_tables.render(page, {"tiny": SUMMARY}, {"tiny/accuracy": SPEC})
+    assert filled.endswith("-->0.900<!-- /n -->\n") and "| a at g | 90.0 ± 1.0 |" in filled
+
+
 def page_tree(root: Path, page: str, summaries: dict[str, Any]) -> None:
     (root / "docs" / "results").mkdir(parents=True)
     (root / "README.md").write_text("# readme\n")
