@@ -31,13 +31,17 @@ the rest and evaluated on the held-out ones, and the test set is never loaded
 Every method and seed trains into ``DIR/LABEL/seedS`` (``config.json``, ``tasks.jsonl`` with
 one row per finished task, ``checkpoint.pt`` after every epoch, ``results.json``, and the
 final ``posterior.pt`` of a rule and ``memory.pt`` of its memory); ``DIR`` receives
-``config.json``, ``results.json``, ``report.md`` and ``average_accuracy.png``. ``--resume``
-continues every run from its last checkpoint and ends as an uninterrupted run would
-(docs/runs.md; docs/lifelong.md has the method and the results).
+``config.json``, ``results.json``, ``report.md``, ``average_accuracy.png`` and
+``final_accuracy.png``. ``--resume`` continues every run from its last checkpoint and ends
+as an uninterrupted run would (docs/runs.md; docs/lifelong.md has the method and the
+results). A run that diverges is a result, not the end of the comparison: its folder keeps
+``diverged.json`` (the error), the other runs train, the method's summary is over the seeds
+that trained, and the report names the diverged seeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -74,6 +78,7 @@ from liegroup_blr.memorable import SELECTIONS
 TASKS = "tasks.jsonl"
 POSTERIOR = "posterior.pt"
 MEMORY = "memory.pt"
+DIVERGED = "diverged.json"
 PRIORS = ("posterior", "initial")
 
 SECTIONS: dict[str, dict[str, Any]] = {
@@ -570,6 +575,26 @@ RUNNER = skeleton.Runner(run, planned, lambda cfg: str(cfg["method"]["strategy"]
 """How the drivers learn the stream of one method and seed (:func:`run`)."""
 
 
+def run_or_diverge(
+    cfg: dict[str, Any], out: Path, resume: bool = False, **options: Any
+) -> dict[str, Any]:
+    """:func:`run`, but a run that diverges is a result: ``{"diverged": message}``, kept in
+    ``out/diverged.json`` (a resume returns it without training again)."""
+    record = out / DIVERGED
+    if resume and record.exists():
+        return runfiles.read_json(record)
+    try:
+        return run(cfg, out, resume, **options)
+    except DivergedError as err:
+        print(f"== {out}: {err}", flush=True)
+        runfiles.write_json(record, {"diverged": str(err)})
+        return {"diverged": str(err)}
+
+
+STREAM_RUNNER = dataclasses.replace(RUNNER, train=run_or_diverge)
+"""The driver's runner: every method and seed, a diverged run reported rather than fatal."""
+
+
 def _learn(
     learner: Learner, out: Path, at: Position, progress: ProgressHook | None, title: str
 ) -> dict[str, Any]:
@@ -642,24 +667,31 @@ def continual(
     RUNNER.check(configs)
     with runfiles.locked(out):
         skeleton.prepare_folder(out, skeleton.written(configs), resume)
-        per_seed = skeleton.run_all(configs, out, resume, RUNNER)
-        summary = {
-            label: continual_report.over_seeds(list(r.values())) for label, r in per_seed.items()
-        }
-        results = {
-            label: {
-                "seeds": list(configs[label]),
-                "summary": summary[label],
-                "per_seed": per_seed[label],
-            }
-            for label in configs
-        }
+        per_seed = skeleton.run_all(configs, out, resume, STREAM_RUNNER)
+        results = {label: _over_seeds(list(configs[label]), per_seed[label]) for label in configs}
+        if not any(r["summary"] for r in results.values()):
+            raise DivergedError(f"every run in {out} diverged; lower the step sizes")
+        summary = {label: r["summary"] for label, r in results.items()}
         first = next(iter(next(iter(configs.values())).values()))
         figure = out / "average_accuracy.png"
         title = continual_report.figure_title(first, list(next(iter(configs.values()))))
-        continual_report.average_accuracy_figure(summary, first["eval"]["samples"], figure, title)
+        samples = first["eval"]["samples"]
+        continual_report.average_accuracy_figure(summary, samples, figure, title)
+        continual_report.final_accuracy_figure(summary, samples, out / "final_accuracy.png", title)
         skeleton.write_report(out, results, continual_report.report(configs, results))
     return results
+
+
+def _over_seeds(seeds: list[int], per_seed: dict[str, Any]) -> dict[str, Any]:
+    """A method's results: its seeds, those that diverged, and the summary over the others
+    (empty when every seed diverged)."""
+    trained = [r for r in per_seed.values() if "diverged" not in r]
+    return {
+        "seeds": seeds,
+        "diverged_seeds": [int(s) for s, r in per_seed.items() if "diverged" in r],
+        "summary": continual_report.over_seeds(trained) if trained else {},
+        "per_seed": per_seed,
+    }
 
 
 def _show(results: dict[str, Any], out: Path) -> None:

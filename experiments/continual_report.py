@@ -128,19 +128,36 @@ def _estimates(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
     return {m: {e: s[e] for e in ESTIMATES if e in s} for m, s in summary.items()}
 
 
-def tables(summary: Mapping[str, Mapping[str, Any]], samples: int) -> list[str]:
-    """Markdown: the final metrics, then average accuracy after each task."""
+def diverged_note(seeds: Sequence[int], diverged: Sequence[int]) -> str:
+    """What a method's row says of its diverged seeds ("" if none diverged)."""
+    if not diverged:
+        return ""
+    if len(diverged) == len(seeds):
+        return "diverged on every seed"
+    return f"seed{'s' if len(diverged) > 1 else ''} {', '.join(map(str, diverged))} diverged"
+
+
+def tables(
+    summary: Mapping[str, Mapping[str, Any]], samples: int, notes: Mapping[str, str] | None = None
+) -> list[str]:
+    """Markdown: the final metrics, then average accuracy after each task; ``notes`` (method →
+    :func:`diverged_note`) mark the methods with diverged seeds, and a method that diverged on
+    every seed has a row that says so."""
+    notes = notes or {}
     head = ["method", "estimate", "final avg. accuracy (%)", "task 1 after task 1 (%)"]
     head += ["BWT (%)", "forgetting (%)", "NLL", "ECE"]
     final, curves = [], []
     for method, by_estimate in _estimates(summary).items():
+        label = f"{method} ({notes[method]})" if notes.get(method) else method
+        if not by_estimate:
+            final.append([label, "—", *[""] * 6])
         for estimate, s in by_estimate.items():
             name = ESTIMATES[estimate] + (f" of {samples}" if estimate == "average" else "")
             cells = [_cell(s[k]) for k in ("final_accuracy", "first_task", "bwt", "forgetting")]
             cells += [_cell(s["nll"], 1.0, 3), _cell(s["ece"], 1.0, 3)]
-            final.append([method, name, *cells])
-            curves.append([method, ESTIMATES[estimate], *map(_cell, s["average_accuracy"])])
-    tasks = len(next(iter(summary.values()))["point"]["average_accuracy"])
+            final.append([label, name, *cells])
+            curves.append([label, ESTIMATES[estimate], *map(_cell, s["average_accuracy"])])
+    tasks = max(len(s["point"]["average_accuracy"]) for s in summary.values() if s)
     return [
         *markdown(head, final, [LEFT] * 2 + [RIGHT] * 6),
         "",
@@ -171,6 +188,8 @@ def average_accuracy_figure(
     posterior shows its model average of ``samples``, and its point estimate dashed."""
     curves: dict[str, dict[str, np.ndarray]] = {}
     for method, by_estimate in _estimates(summary).items():
+        if not by_estimate:  # diverged on every seed
+            continue
         estimate = "average" if "average" in by_estimate else "point"
         values = 100 * np.asarray([c["values"] for c in by_estimate[estimate]["average_accuracy"]])
         label = f"{method} (average of {samples})" if estimate == "average" else method
@@ -179,6 +198,28 @@ def average_accuracy_figure(
             point = np.asarray([c["values"] for c in by_estimate["point"]["average_accuracy"]])
             curves[label]["dashed"] = 100 * point.mean(1)
     figures.average_accuracy(curves, path, title)
+
+
+def final_bars(summary: Mapping[str, Mapping[str, Any]], samples: int) -> dict[str, list[float]]:
+    """Per method the final average accuracy (%) of each seed: a rule's model average of
+    ``samples``, the point estimate of a method without a posterior."""
+    bars = {}
+    for method, by_estimate in _estimates(summary).items():
+        if not by_estimate:  # diverged on every seed
+            continue
+        average = "average" in by_estimate
+        label = f"{method} (average of {samples})" if average else method
+        leaf = by_estimate["average" if average else "point"]["final_accuracy"]
+        bars[label] = [100 * v for v in leaf["values"]]
+    return bars
+
+
+def final_accuracy_figure(
+    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path, title: str = ""
+) -> None:
+    """Final average accuracy per method, the mean as a bar and each seed as a dot
+    (:func:`final_bars`)."""
+    figures.final_accuracy(final_bars(summary, samples), path, title)
 
 
 def stream_name(stream: Mapping[str, Any]) -> str:
@@ -212,10 +253,15 @@ def report(
     methods and their timings, and the figure."""
     first = next(iter(next(iter(configs.values())).values()))
     stream, model, train, ev = first["stream"], first["model"], first["train"], first["eval"]
-    some = next(iter(results.values()))["per_seed"]
-    sizes = next(iter(some.values()))
+    sizes = next(
+        r for res in results.values() for r in res["per_seed"].values() if "diverged" not in r
+    )
     seeds = next(iter(results.values()))["seeds"]
     summary = {label: r["summary"] for label, r in results.items()}
+    notes = {
+        label: diverged_note(r["seeds"], r.get("diverged_seeds", []))
+        for label, r in results.items()
+    }
     lines = [
         f"# Continual learning: {stream_name(stream)}",
         "",
@@ -229,12 +275,14 @@ def report(
         f"ECE ({ev['bins']} bins) pooled over the test images of every task after the last. "
         f"A rule's model average uses {ev['samples']} posterior samples.",
         "",
-        *tables(summary, ev["samples"]),
+        *tables(summary, ev["samples"], notes),
         "",
         "BWT: mean over tasks before the last of (final accuracy − accuracy just after "
         "learning it); forgetting: mean of (best earlier accuracy − final accuracy).",
         "",
         "![average accuracy against tasks learned](average_accuracy.png)",
+        "",
+        "![final average accuracy per method and seed](final_accuracy.png)",
         "",
         "## Methods",
         "",
@@ -249,8 +297,8 @@ def report(
                 method["strategy"],
                 method["optimizer"]["name"],
                 _hyperparameters(method),
-                _cell(s["train_seconds"], 1.0, 1),
-                _cell(s["eval_seconds"], 1.0, 1),
+                _cell(s["train_seconds"], 1.0, 1) if s else notes[label],
+                _cell(s["eval_seconds"], 1.0, 1) if s else "",
             ]
         )
     head = ["method", "strategy", "optimizer", "hyperparameters", "train (s)", "eval (s)"]

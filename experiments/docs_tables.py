@@ -39,6 +39,7 @@ from typing import Any
 
 from experiments import runfiles
 from experiments.compare import summarise
+from experiments.continual_report import diverged_note
 from experiments.tables import LEFT, RIGHT, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,8 @@ def summarise_folder(folder: Path) -> dict[str, Any]:
     for label, res in runfiles.read_json(folder / "results.json").items():
         seeds = res.get("seeds") or [int(s) for s in res["per_seed"]]
         labels[label] = {"seeds": seeds, "metrics": flatten(res["summary"])}
+        if res.get("diverged_seeds"):
+            labels[label]["diverged"] = res["diverged_seeds"]
     return {"config": folder.name, "source": "results.json", "labels": labels}
 
 
@@ -165,6 +168,10 @@ def table(spec: Table, summaries: Mapping[str, Any]) -> str:
     align = [a for _, a in spec.text] + [RIGHT] * len(spec.metrics)
     rows = []
     for label, estimate, cells in spec.rows:
+        note = _diverged(summaries, spec.summary, label)
+        if note == "diverged on every seed":
+            rows.append([*cells, note, *[""] * (len(spec.metrics) - 1)])
+            continue
         values = [
             number(
                 stat(summaries, spec.summary, label, m.key.format(est=estimate)),
@@ -172,8 +179,14 @@ def table(spec: Table, summaries: Mapping[str, Any]) -> str:
             )
             for m in spec.metrics
         ]
-        rows.append([*cells, *values])
+        rows.append([f"{cells[0]} ({note})" if note else cells[0], *cells[1:], *values])
     return "\n".join(markdown(head, rows, align)) + "\n"
+
+
+def _diverged(summaries: Mapping[str, Any], name: str, label: str) -> str:
+    """The note on a run's diverged seeds (:func:`experiments.continual_report.diverged_note`)."""
+    run = summaries.get(name, {}).get("labels", {}).get(label, {})
+    return diverged_note(run.get("seeds", []), run.get("diverged", []))
 
 
 def render(text: str, summaries: Mapping[str, Any], tables: Mapping[str, Table]) -> str:
@@ -247,6 +260,43 @@ REFERENCE_ROWS = tuple(
 """Rows of the reference network's tables: SGD at g, the additive rule at g and averaged, the
 multiplicative rule also at its posterior mean."""
 
+CONTINUAL = (
+    Metric("final avg. accuracy (%)", "{est}.final_accuracy", 100.0, 1),
+    Metric("task 1 after task 1 (%)", "{est}.first_task", 100.0, 1),
+    Metric("forgetting (%)", "{est}.forgetting", 100.0, 1),
+    Metric("NLL", "{est}.nll"),
+    Metric("ECE", "{est}.ece"),
+)
+CONTINUAL_TEXT = (("method", LEFT), ("prior of each new task", LEFT), ("memory", LEFT))
+CONTINUAL_BASELINES = (
+    ("finetune", "point", ("Adam, fine-tuning", "—", "—")),
+    ("ewc", "point", ("Adam, online EWC", "—", "—")),
+    ("joint", "point", ("Adam, joint (all data so far)", "—", "every example")),
+)
+CONTINUAL_VARIANTS = (
+    ("", ("the posterior so far", "—")),
+    ("_no_prior", ("the first task's (prior removed)", "—")),
+    ("_memory", ("the posterior so far", "40 per task, sensitivity")),
+    ("_random_memory", ("the posterior so far", "40 per task, random")),
+)
+CONTINUAL_ROWS = CONTINUAL_BASELINES + tuple(
+    (rule + suffix, "average", (f"{rule} rule, average of 32", *cells))
+    for rule in ("additive", "affine", "multiplicative")
+    for suffix, cells in CONTINUAL_VARIANTS
+)
+"""Rows of a continual stream's table: Adam's three methods at their point estimate, every
+rule's model average with its posterior as the next prior, with that prior removed, with a
+memory of its most sensitive examples and with a random memory of the same size."""
+CONTINUAL_ESTIMATE_ROWS = tuple(
+    (rule, est, (rule, ESTIMATE_NAMES[est]))
+    for rule in ("additive", "affine", "multiplicative")
+    for est in ("point", "mean", "average")
+    if rule == "multiplicative" or est != "mean"
+)
+"""The rules' estimates on a continual stream: at g, at the posterior mean (multiplicative;
+the other rules' coincide with g) and the model average."""
+STREAMS = ("continual_permuted", "continual_split", "continual_split_single")
+
 TABLES: dict[str, Table] = {
     "cpu_default/predictive": Table("cpu_default", RULE_ESTIMATE, CPU_DEFAULT_ROWS, PREDICTIVE),
     "cpu_default/sparsity": Table(
@@ -271,6 +321,14 @@ TABLES: dict[str, Table] = {
         ),
         PREDICTIVE[:3],
     ),
+    **{
+        f"{stream}/methods": Table(stream, CONTINUAL_TEXT, CONTINUAL_ROWS, CONTINUAL)
+        for stream in STREAMS
+    },
+    **{
+        f"{stream}/estimates": Table(stream, RULE_ESTIMATE, CONTINUAL_ESTIMATE_ROWS, CONTINUAL)
+        for stream in STREAMS
+    },
 }
 """The tables the pages can quote, by the name their markers give."""
 

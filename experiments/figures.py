@@ -406,6 +406,25 @@ def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
     return math.floor(figsize[1] * DPI), math.floor(figsize[0] * DPI)
 
 
+def final_accuracy(bars: Mapping[str, Sequence[float]], path: Path, title: str = "") -> None:
+    """Final average accuracy (%) per method: a horizontal bar at the mean over seeds and a
+    dot per seed, the methods top to bottom in the order of ``bars`` (label → values)."""
+    height = 1.0 + 0.3 * len(bars)
+    fig, ax = plt.subplots(figsize=(CURVES_SIZE[0], height))
+    rows = np.arange(len(bars))[::-1]
+    for row, values in zip(rows, bars.values(), strict=True):
+        ax.barh(row, np.mean(values), color="tab:blue", alpha=0.35)
+        ax.plot(values, [row] * len(values), "o", color="tab:blue", ms=3)
+    ax.set_yticks(rows, list(bars), fontsize="small")
+    every = [v for values in bars.values() for v in values]
+    ax.set_xlim(max(0.0, min(every) - 5.0), min(100.0, max(every) + 2.0))
+    ax.set(xlabel="final average accuracy over all tasks (%): bar the mean, dots the seeds")
+    ax.set_title(title, fontsize="small")
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def average_accuracy(
     curves: Mapping[str, Mapping[str, np.ndarray]], path: Path, title: str = ""
 ) -> None:

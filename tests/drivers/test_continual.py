@@ -285,6 +285,8 @@ def test_smoke_config_runs_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFi
     assert (out / "report.md").read_text().startswith("# Continual learning: split mnist5k")
     image = plt_image(out / "average_accuracy.png")
     assert image.shape[:2] == figures.pixel_size(figures.CURVES_SIZE)
+    bars = plt_image(out / "final_accuracy.png")
+    assert bars.shape[1] == figures.pixel_size(figures.CURVES_SIZE)[1]
     written = json.loads((out / "config.json").read_text())
     assert set(written) == set(methods)
 
@@ -633,3 +635,61 @@ def test_non_finite_metrics_after_a_task_stop_the_run_as_diverged(
         continual.run(cfg, tmp_path / "run")
     assert read_rows(tmp_path / "run") == []  # the failed task's row is not written
     assert tune.train_point(continual.run, cfg, tmp_path / "again", False) is None
+
+
+def test_final_bars_take_each_methods_estimate_per_seed() -> None:
+    """A rule's bar is its model average, a method without a posterior its point estimate;
+    every seed's final accuracy in percent, in the methods' order."""
+
+    def leaf(*values: float) -> dict[str, Any]:
+        return {"final_accuracy": {"mean": sum(values) / len(values), "sd": None, "values": values}}
+
+    summary = {
+        "ewc": {"point": leaf(0.9, 0.8)},
+        "affine": {"point": leaf(0.5, 0.5), "average": leaf(0.7, 0.6)},
+    }
+    bars = continual_report.final_bars(summary, 32)
+    assert list(bars) == ["ewc", "affine (average of 32)"]
+    assert bars["ewc"] == pytest.approx([90.0, 80.0])
+    assert bars["affine (average of 32)"] == pytest.approx([70.0, 60.0])
+
+
+def test_a_diverged_run_is_reported_and_the_others_finish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A method and seed that diverge are a result of the comparison, not its end: the other
+    runs train, the summary is over the seeds that trained, the report names the diverged
+    seeds (a method that diverged on every seed has a row saying so), and a resume returns
+    the recorded divergence without training again."""
+    metrics = continual._metrics
+    diverging = {("ewc", 1), ("joint", 0), ("joint", 1)}
+
+    def nan_for_some(learner: Any, log_probs: list[torch.Tensor], t: int) -> dict[str, Any]:
+        m = metrics(learner, log_probs, t)
+        if (learner.cfg["method"]["strategy"], learner.cfg["seed"]) in diverging:
+            m["nll"][0] = math.nan
+        return m
+
+    monkeypatch.setattr(continual, "_metrics", nan_for_some)
+    raw = smoke()
+    raw["methods"] = {k: raw["methods"][k] for k in ("finetune", "ewc", "joint")}
+    raw["stream"]["tasks"] = 1
+    out = tmp_path / "out"
+    results = continual.continual(raw, out, seeds=[0, 1])
+    assert [results[m]["diverged_seeds"] for m in ("finetune", "ewc", "joint")] == [[], [1], [0, 1]]
+    assert len(results["ewc"]["summary"]["point"]["final_accuracy"]["values"]) == 1
+    assert results["joint"]["summary"] == {}
+    assert (out / "ewc" / "seed1" / continual.DIVERGED).exists()
+    report = (out / "report.md").read_text()
+    assert "| ewc (seed 1 diverged) | at g |" in report
+    assert "| joint (diverged on every seed) | — |" in report
+    started, run = [], continual.run
+
+    def spy(cfg: dict[str, Any], folder: Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        started.append((cfg["method"]["strategy"], cfg["seed"]))
+        return run(cfg, folder, *args, **kwargs)
+
+    monkeypatch.setattr(continual, "run", spy)
+    again = continual.continual(raw, out, resume=True, seeds=[0, 1])
+    assert again == json.loads((out / "results.json").read_text()) == results
+    assert not diverging & set(started)  # the recorded divergences are not trained again

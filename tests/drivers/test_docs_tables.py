@@ -293,3 +293,33 @@ def test_the_table_specs_lay_out_the_pages_tables_as_they_are(name: str, page: s
     generated = docs_tables.table(spec, _table_of(text, spec))
     assert generated in text
     assert re.search(r"^\|---", generated, re.M)
+
+
+def test_a_continual_method_with_diverged_seeds_is_marked_in_its_table(tmp_path: Path) -> None:
+    """A method that diverged on some seeds shows the others' numbers and names the diverged
+    seeds; one that diverged on every seed says so in place of its numbers."""
+    leaf = {"mean": 0.8, "sd": None, "values": [0.8]}
+    results = {
+        "a": {
+            "seeds": [0, 1],
+            "diverged_seeds": [1],
+            "summary": {"point": {"final_accuracy": leaf, "nll": leaf}},
+            "per_seed": {},
+        },
+        "b": {"seeds": [0, 1], "diverged_seeds": [0, 1], "summary": {}, "per_seed": {}},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    summary = docs_tables.summarise_folder(tmp_path)
+    assert summary["labels"]["a"]["diverged"] == [1]
+    assert summary["labels"]["b"] == {"seeds": [0, 1], "metrics": {}, "diverged": [0, 1]}
+    spec = Table(
+        "s",
+        (("method", "---"), ("estimate", "---")),
+        (("a", "point", ("a", "at g")), ("b", "point", ("b", "at g"))),
+        (Metric("accuracy (%)", "{est}.final_accuracy", 100.0, 1), Metric("NLL", "{est}.nll")),
+    )
+    lines = docs_tables.table(spec, {"s": summary}).splitlines()
+    assert lines[2:] == [
+        "| a (seed 1 diverged) | at g | 80.0 | 0.800 |",
+        "| b | at g | diverged on every seed |  |",
+    ]
