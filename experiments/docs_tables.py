@@ -163,13 +163,17 @@ class Table:
 
 
 def table(spec: Table, summaries: Mapping[str, Any]) -> str:
-    """The Markdown of ``spec`` with the numbers of ``summaries``."""
+    """The Markdown of ``spec`` with the numbers of ``summaries``; a run with diverged seeds (of
+    a continual stream) names them after its first cell, and one that diverged on every seed
+    says so in place of its numbers."""
     head = [h for h, _ in spec.text] + [m.header for m in spec.metrics]
     align = [a for _, a in spec.text] + [RIGHT] * len(spec.metrics)
     rows = []
     for label, estimate, cells in spec.rows:
-        note = _diverged(summaries, spec.summary, label)
-        if note == "diverged on every seed":
+        run = summaries.get(spec.summary, {}).get("labels", {}).get(label, {})
+        seeds, diverged = run.get("seeds", []), run.get("diverged", [])
+        note = diverged_note(seeds, diverged)
+        if diverged and len(diverged) == len(seeds):
             rows.append([*cells, note, *[""] * (len(spec.metrics) - 1)])
             continue
         values = [
@@ -181,12 +185,6 @@ def table(spec: Table, summaries: Mapping[str, Any]) -> str:
         ]
         rows.append([f"{cells[0]} ({note})" if note else cells[0], *cells[1:], *values])
     return "\n".join(markdown(head, rows, align)) + "\n"
-
-
-def _diverged(summaries: Mapping[str, Any], name: str, label: str) -> str:
-    """The note on a run's diverged seeds (:func:`experiments.continual_report.diverged_note`)."""
-    run = summaries.get(name, {}).get("labels", {}).get(label, {})
-    return diverged_note(run.get("seeds", []), run.get("diverged", []))
 
 
 def render(text: str, summaries: Mapping[str, Any], tables: Mapping[str, Table]) -> str:
