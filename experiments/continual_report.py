@@ -128,6 +128,12 @@ def _estimates(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
     return {m: {e: s[e] for e in ESTIMATES if e in s} for m, s in summary.items()}
 
 
+def _trained(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """:func:`_estimates` of the methods with a seed that trained (not diverged on every
+    seed)."""
+    return {m: by_estimate for m, by_estimate in _estimates(summary).items() if by_estimate}
+
+
 def diverged_note(seeds: Sequence[int], diverged: Sequence[int]) -> str:
     """What a method's row says of its diverged seeds ("" if none diverged)."""
     if not diverged:
@@ -157,7 +163,7 @@ def tables(
             cells += [_cell(s["nll"], 1.0, 3), _cell(s["ece"], 1.0, 3)]
             final.append([label, name, *cells])
             curves.append([label, ESTIMATES[estimate], *map(_cell, s["average_accuracy"])])
-    tasks = max(len(s["point"]["average_accuracy"]) for s in summary.values() if s)
+    tasks = max(len(s["point"]["average_accuracy"]) for s in _trained(summary).values())
     return [
         *markdown(head, final, [LEFT] * 2 + [RIGHT] * 6),
         "",
@@ -187,9 +193,7 @@ def average_accuracy_figure(
     as a line and the band between the lowest and the highest seed; a rule with a
     posterior shows its model average of ``samples``, and its point estimate dashed."""
     curves: dict[str, dict[str, np.ndarray]] = {}
-    for method, by_estimate in _estimates(summary).items():
-        if not by_estimate:  # diverged on every seed
-            continue
+    for method, by_estimate in _trained(summary).items():
         estimate = "average" if "average" in by_estimate else "point"
         values = 100 * np.asarray([c["values"] for c in by_estimate[estimate]["average_accuracy"]])
         label = f"{method} (average of {samples})" if estimate == "average" else method
@@ -204,9 +208,7 @@ def final_bars(summary: Mapping[str, Mapping[str, Any]], samples: int) -> dict[s
     """Per method the final average accuracy (%) of each seed: a rule's model average of
     ``samples``, the point estimate of a method without a posterior."""
     bars = {}
-    for method, by_estimate in _estimates(summary).items():
-        if not by_estimate:  # diverged on every seed
-            continue
+    for method, by_estimate in _trained(summary).items():
         average = "average" in by_estimate
         label = f"{method} (average of {samples})" if average else method
         leaf = by_estimate["average" if average else "point"]["final_accuracy"]
