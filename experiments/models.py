@@ -3,6 +3,11 @@
 Weights of dense and convolutional layers are drawn from a normal distribution truncated
 at ±2σ with σ = 1/√fan_in; ResNet convolutions use He initialisation (σ = √(2/fan_in),
 corrected for the truncation); dense biases start at 0.05 (MLP, CNN), others at 0.
+
+The convolutional networks take ``channels_last``: weights and inputs in NHWC memory layout,
+the same function with other strides (results agree to float rounding, not bit for bit). On
+one CPU thread it makes the narrowed CNN's training step 1.3× and its evaluation 1.5–1.9×
+faster, and ResNet-20's step 1.0–1.1× (docs/performance.md): on by default for the CNN only.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ def _init_(layer: nn.Linear | nn.Conv2d, factor: float = 1.0, bias: float = 0.0)
     nn.init.trunc_normal_(layer.weight, 0.0, std, -2 * std, 2 * std)
     if layer.bias is not None:
         nn.init.constant_(layer.bias, bias)
+
+
+def _channels_last(model: nn.Module) -> None:
+    """Put ``model``'s 4-d parameters in NHWC memory layout (inputs follow in ``forward``)."""
+    for p in model.parameters():
+        if p.dim() == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
 
 
 def _output_size(module: nn.Module, input_shape: Sequence[int]) -> int:
@@ -71,11 +83,18 @@ class CNN(nn.Module):
     """LeNet-like CNN: three (5×5 conv, ELU, 3×3 stride-2 max-pool) blocks, two dense layers.
 
     Channels 32w, 64w, 128w and dense widths 128w, 64w; the reference uses w = 4
-    (128/256/512 filters, dense 512/256).
+    (128/256/512 filters, dense 512/256). ``channels_last``: NHWC memory layout (module doc).
     """
 
-    def __init__(self, input_shape: Sequence[int], num_classes: int, width: int = 4) -> None:
+    def __init__(
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        width: int = 4,
+        channels_last: bool = True,
+    ) -> None:
         super().__init__()
+        self.channels_last = channels_last
         channels = [input_shape[0], 32 * width, 64 * width, 128 * width]
         blocks: list[nn.Module] = []
         for c_in, c_out in itertools.pairwise(channels):
@@ -93,8 +112,12 @@ class CNN(nn.Module):
                 _init_(layer)
             elif isinstance(layer, nn.Linear):
                 _init_(layer, bias=0.05)
+        if channels_last:
+            _channels_last(self)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.classifier(self.features(x))
 
 
@@ -142,12 +165,19 @@ class ResNet(nn.Module):
     A conv-FRN stem with ``width`` filters, three stacks of n residual blocks with width,
     2·width, 4·width filters (stride 2 at the start of stacks 2 and 3), average pooling
     over 8×8 windows (the whole map for 32×32 inputs), a dense output layer.
+    ``channels_last``: NHWC memory layout (module doc).
     """
 
     def __init__(
-        self, input_shape: Sequence[int], num_classes: int, depth: int = 20, width: int = 16
+        self,
+        input_shape: Sequence[int],
+        num_classes: int,
+        depth: int = 20,
+        width: int = 16,
+        channels_last: bool = False,
     ) -> None:
         super().__init__()
+        self.channels_last = channels_last
         if depth < 8 or (depth - 2) % 6 != 0:
             raise ValueError(
                 f"ResNet depth must be 6n+2 with n >= 1 (20, 32, 44, ...), got {depth}"
@@ -168,8 +198,12 @@ class ResNet(nn.Module):
             _output_size(nn.Sequential(self.features, self.pool), input_shape), num_classes
         )
         _init_(self.head, HE)
+        if channels_last:
+            _channels_last(self)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.head(self.pool(self.features(x)))
 
 

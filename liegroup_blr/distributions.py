@@ -218,9 +218,11 @@ def sample_each(
 
     Common families use torch's in-place samplers with ``generator``, one kernel and no
     allocation (Rayleigh by its inverse CDF σ√(−2 log(1 − U)), far cheaper than
-    ``exponential_``); other families with an ``icdf`` transform uniforms from ``generator``;
-    a family with neither is drawn by its own ``sample`` under a global RNG seeded from
-    ``generator`` and then restored, so every draw is reproducible from ``generator``'s state.
+    ``exponential_``); Student-t with an integer ν ≤ 32 as a normal over the root of a χ²
+    built from normals and uniforms (:func:`_student_t_into`); other families with an
+    ``icdf`` transform uniforms from ``generator``; a family with neither is drawn by its own
+    ``sample`` under a global RNG seeded from ``generator`` and then restored, so every draw
+    is reproducible from ``generator``'s state.
     """
     if isinstance(base, Normal):
         loc, scale = float(base.loc), float(base.scale)
@@ -250,6 +252,9 @@ def sample_each(
         loc, scale = float(base.loc), float(base.scale)
         for out in outs:
             out.log_normal_(loc, scale, generator=generator)
+    elif isinstance(base, StudentT) and _small_integer(base.df):
+        for out in outs:
+            _student_t_into(out, base, generator)
     elif isinstance(base, Laplace):  # loc − scale·sign(u)·log(1 − |u|), u ~ U(eps − 1, 1)
         loc, scale = float(base.loc), float(base.scale)
         for out in outs:
@@ -261,6 +266,39 @@ def sample_each(
         for out in outs:
             _sample_other(base, out, generator)
     return outs
+
+
+# Integer degrees of freedom up to this are drawn through normals and uniforms (cost ~ ν/2
+# uniform draws per element); larger or fractional ones through torch's gamma sampler.
+_MAX_INTEGER_DF = 32
+
+
+def _small_integer(df: Tensor) -> bool:
+    value = float(df)
+    return value == round(value) and 1 <= value <= _MAX_INTEGER_DF
+
+
+def _student_t_into(out: Tensor, base: StudentT, generator: torch.Generator | None) -> None:
+    r"""t_ν(loc, scale) for an integer ν by its definition: loc + scale·Z·√(ν / V),
+    Z ~ N(0, 1) independent of V ~ χ²_ν; V = N² (odd ν) − 2 Σ_{k ≤ ν/2} log(1 − U_k)
+    (χ²₂ = −2 log U), N ~ N(0, 1), U_k ~ U(0, 1 − eps); ν = 1 is Cauchy's in-place sampler.
+    Z and N come from one ``normal_`` into one scratch tensor, the uniforms through ``out``
+    (a scratch tensor for a half-precision ``out``).
+    """
+    df, loc, scale = int(base.df), float(base.loc), float(base.scale)
+    if df == 1:
+        out.cauchy_(loc, scale, generator=generator)
+        return
+    dtype = _work_dtype(out)
+    normals = torch.empty((1 + df % 2, *out.shape), dtype=dtype, device=out.device)
+    normals.normal_(generator=generator)
+    z, chi2 = normals[0], normals[-1].square_() if df % 2 else torch.zeros_like(normals[0])
+    info, uniforms = torch.finfo(dtype), out if out.dtype == dtype else torch.empty_like(z)
+    for _ in range(df // 2):  # log(1 − U) in [log eps, −tiny]: never 0, never −inf
+        chi2.sub_(
+            uniforms.uniform_(info.eps - 1, -info.tiny, generator=generator).log1p_(), alpha=2
+        )
+    out.copy_(z.mul_(chi2.div_(df).rsqrt_()).mul_(scale).add_(loc))
 
 
 def _sample_other(base: Distribution, out: Tensor, generator: torch.Generator | None) -> None:

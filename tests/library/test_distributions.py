@@ -354,8 +354,10 @@ FAMILIES: dict[str, tuple[Callable[[], Distribution], scipy.stats.rv_continuous,
         scipy.stats.lognorm(s=0.5, scale=math.exp(0.25)),
         True,
     ),
-    # no closed-form sampler, no icdf: falls back to base.sample under a seeded global RNG
+    # an integer ν: a normal over the root of a χ² made of normals and uniforms
     "student-t": (lambda: StudentT(5.0, 0.5, 2.0), scipy.stats.t(5.0, 0.5, 2.0), True),
+    # a fractional ν, no icdf: falls back to base.sample under a seeded global RNG
+    "student-t-2.5": (lambda: StudentT(2.5, 0.5, 2.0), scipy.stats.t(2.5, 0.5, 2.0), False),
     "gamma": (lambda: Gamma(2.0, 4.0), scipy.stats.gamma(2.0, scale=0.25), True),
     # has an icdf but no in-place torch sampler: the inverse-CDF path
     "halfnormal": (lambda: HalfNormal(1.5), scipy.stats.halfnorm(scale=1.5), True),
@@ -427,7 +429,33 @@ def test_sample_into_in_place_reproducible_and_private(key: str, dtype: torch.dt
     assert torch.equal(torch.get_rng_state(), global_state)
 
 
-@pytest.mark.parametrize("key", ["student-t", "gamma", "normal", "halfnormal"])
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_student_t_integer_df_law_on_a_million_draws(df: int, dtype: torch.dtype) -> None:
+    """Goodness of fit of the χ² construction (every parity of ν, Cauchy's ν = 1, the
+    largest ν it serves) on 10⁶ draws: Kolmogorov–Smirnov and the tails' frequencies."""
+    x = sample_into(StudentT(float(df), 0.25, 0.5), torch.empty(10**6, dtype=dtype), _gen(df))
+    assert x.dtype == dtype and bool(torch.isfinite(x).all())
+    ref = scipy.stats.t(df, 0.25, 0.5)
+    assert scipy.stats.kstest(x.double().numpy(), ref.cdf).pvalue > 1e-4
+    for q in (1e-3, 1e-2, 0.99, 0.999):  # binomial standard errors: sqrt(q(1 - q) / 10⁶)
+        frequency = float((x.double() <= ref.ppf(q)).double().mean())
+        assert abs(frequency - q) < 5 * math.sqrt(q * (1 - q) / 10**6)
+
+
+def test_student_t_draws_into_half_and_channels_last_tensors() -> None:
+    """A half-precision or NHWC ``out`` gets the same law (drawn in float32, no rounding of
+    the uniforms to half precision: a log(0) would put a zero or an inf among the draws)."""
+    half = sample_into(StudentT(3.0), torch.empty(2**18, dtype=torch.float16), _gen(3))
+    assert bool(torch.isfinite(half).all()) and bool((half != 0).all())
+    assert scipy.stats.kstest(half.double().numpy(), scipy.stats.t(3).cdf).pvalue > 1e-4
+    nhwc = torch.empty(64, 32, 8, 8).contiguous(memory_format=torch.channels_last)
+    sample_into(StudentT(3.0), nhwc, _gen(4))
+    assert nhwc.is_contiguous(memory_format=torch.channels_last)
+    assert scipy.stats.kstest(nhwc.double().flatten().numpy(), scipy.stats.t(3).cdf).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("key", ["student-t", "student-t-2.5", "gamma", "normal", "halfnormal"])
 def test_sample_into_without_generator_uses_global_rng(key: str) -> None:
     base = ALL_FAMILIES[key]()
     torch.manual_seed(31)
