@@ -9,13 +9,16 @@ tables, each merged over the shared tables to give one run config.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from experiments.data import DATASETS, dataset_options
 from experiments.distributed import PARALLEL
@@ -137,6 +140,9 @@ SECTIONS: dict[str, dict[str, Any]] = {
 
 DEVICES = ("auto", "cpu", "cuda")
 
+FLOAT_MAX = torch.finfo(torch.float32).max
+"""The largest number a config may hold: the parameters are float32."""
+
 LABEL = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9_.+-]*")
 """A run label of a comparison: a plain folder name inside the comparison folder."""
 
@@ -147,9 +153,7 @@ class ConfigError(ValueError):
 
 def fill(where: str, given: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
     """``given`` completed with the defaults of ``schema``; unknown or missing keys raise."""
-    unknown = sorted(set(given) - set(schema))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown} in {where}; valid keys: {sorted(schema)}")
+    refuse_unknown(where, given, schema)
     out = {}
     for key, default in schema.items():
         if key not in given and isinstance(default, Required):
@@ -157,8 +161,49 @@ def fill(where: str, given: Mapping[str, Any], schema: Mapping[str, Any]) -> dic
         value = copy.deepcopy(given.get(key, None if isinstance(default, Unset) else default))
         value = list(value) if isinstance(value, tuple) else value
         _check_type(f"{where}.{key}", value, default)
+        _check_finite(f"{where}.{key}", value)
         out[key] = value
     return out
+
+
+def refuse_unknown(where: str, given: Iterable[str], valid: Iterable[str]) -> None:
+    """Keys of ``given`` outside ``valid`` raise, naming ``where`` and the closest valid keys."""
+    unknown, valid = sorted(set(given) - set(valid)), sorted(valid)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {unknown} in {where}{_did_you_mean(unknown, valid)}; "
+            f"valid keys: {valid}"
+        )
+
+
+def _did_you_mean(unknown: Sequence[str], valid: Iterable[str]) -> str:
+    """`` (did you mean 'epochs'?)``: the closest valid key of each unknown key that has one
+    (several: ``'epochs' for 'epocs', ...``), or nothing."""
+    valid = list(valid)
+    close = {key: difflib.get_close_matches(key, valid, n=1) for key in unknown}
+    hints = [
+        repr(match[0]) + (f" for {key!r}" if len(unknown) > 1 else "")
+        for key, match in close.items()
+        if match
+    ]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def _check_finite(where: str, value: Any) -> None:
+    """Every number, in tables and lists too, must be finite and within float32's range, so
+    that torch never meets one it cannot convert."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_finite(f"{where}.{key}", item)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_finite(f"{where}[{i}]", item)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not abs(value) <= FLOAT_MAX:  # also NaN
+            raise ConfigError(
+                f"{where} must be a finite number within float32's range "
+                f"(|x| <= {FLOAT_MAX:.4g}), got {value!r}"
+            )
 
 
 def _check_type(where: str, value: Any, default: Any) -> None:
@@ -189,7 +234,10 @@ def check_keys(raw: Mapping[str, Any], keys: set[str]) -> None:
     """The top level of a config holds only ``keys``."""
     unknown = sorted(set(raw) - keys)
     if unknown:
-        raise ConfigError(f"unknown top-level key(s) {unknown}; valid keys: {sorted(keys)}")
+        raise ConfigError(
+            f"unknown top-level key(s) {unknown}{_did_you_mean(unknown, keys)}; "
+            f"valid keys: {sorted(keys)}"
+        )
 
 
 def top_level(raw: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -378,6 +426,7 @@ def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         raise ConfigError("[runs] must hold at least one [runs.LABEL] table")
     for label in runs:
         check_label(label)
+    _check_shared(shared)
     resolved = {}
     for label, run in runs.items():
         try:
@@ -385,6 +434,16 @@ def split_runs(raw: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         except ConfigError as err:
             raise ConfigError(f"[runs.{label}]: {err}") from None
     return resolved
+
+
+def _check_shared(shared: Mapping[str, Any]) -> None:
+    """The keys every run takes alike, its top level, ``[schedule]`` and ``[eval]``: an unknown
+    one in the shared tables is refused as theirs, not as the first run's."""
+    check_keys(shared, set(TOP_LEVEL) | set(SECTIONS))
+    for section, schema in SECTIONS.items():
+        given = shared.get(section)
+        if section not in OPTIONS and isinstance(given, Mapping):
+            refuse_unknown(f"the shared [{section}]", given, schema)
 
 
 def seed_list(raw: Mapping[str, Any], seeds: Sequence[int] | None = None) -> list[int]:

@@ -19,14 +19,19 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import optree
-import posteriors
 import torch
-import torchopt
 from torch import Tensor, nn
 from torch.nn.functional import cross_entropy
 
 from experiments.batches import Batch, BatchOptimizer
+
+try:
+    import optree
+    import posteriors
+    import torchopt
+except ImportError:  # python -m experiments.meanfield says what it is without them
+    if __name__ != "__main__":
+        raise
 
 
 class MeanFieldVI(BatchOptimizer):

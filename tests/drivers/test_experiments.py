@@ -13,7 +13,7 @@ import torch
 from matplotlib import image as mpimg
 
 from experiments import compare, figures, memory_map, peers, train, tune
-from experiments.config import ConfigError, load, resolve, run_configs, split_runs
+from experiments.config import ConfigError, load, merge, resolve, run_configs, split_runs
 
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"name": "mlp", "widths": [16]},
@@ -360,6 +360,107 @@ def test_split_runs_merges_shared_tables() -> None:
     assert runs["wide"]["optimizer"] == runs["plain"]["optimizer"]
     with pytest.raises(ConfigError, match=r"\[runs\]"):
         split_runs({**raw, "runs": {}})
+
+
+def comparison(**shared: Any) -> dict[str, Any]:
+    """:func:`tiny_config` as a comparison of one SGD run ``a``, ``shared`` merged over its
+    shared tables."""
+    raw = tiny_config(**shared)
+    del raw["optimizer"]
+    raw["runs"] = {"a": {"optimizer": copy.deepcopy(OPTIMIZERS["sgd"])}}
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("shared", "run", "message"),
+    [
+        (
+            {"schedule": {"epocs": 2}},
+            {},
+            r"unknown key\(s\) \['epocs'\] in the shared \[schedule\] \(did you mean 'epochs'\?\); "
+            r"valid keys: \['epochs', 'warmup'\]",
+        ),
+        (
+            {"eval": {"sampels": 2, "binz": 3}},
+            {},
+            r"unknown key\(s\) \['binz', 'sampels'\] in the shared \[eval\] "
+            r"\(did you mean 'bins' for 'binz', 'samples' for 'sampels'\?\); valid keys",
+        ),
+        ({"seeed": 1}, {}, r"unknown top-level key\(s\) \['seeed'\] \(did you mean 'seed'\?\)"),
+        (
+            {},
+            {"schedule": {"epocs": 2}},
+            r"\[runs\.a\]: unknown key\(s\) \['epocs'\] in \[schedule\] "
+            r"\(did you mean 'epochs'\?\)",
+        ),
+        (
+            {},
+            {"optimizer": {"momentun": 0.5}},
+            r"\[runs\.a\]: unknown key\(s\) \['momentun'\] in \[optimizer\] "
+            r"\(did you mean 'momentum'\?\)",
+        ),
+    ],
+)
+def test_an_unknown_key_names_its_table_and_the_closest_valid_key(
+    shared: dict, run: dict, message: str
+) -> None:
+    """A key that every run refuses alike is the shared table's, not the first run's."""
+    raw = merge(comparison(), shared)
+    raw["runs"]["a"] = merge(raw["runs"]["a"], run)
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        split_runs(raw)
+
+
+def test_a_typo_in_a_shared_table_is_one_line_of_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text(
+        '[data]\nname = "synthetic"\n[model]\nname = "mlp"\n[schedule]\nepocs = 1\n'
+        '[runs.sgd.optimizer]\nname = "sgd"\nlr = 0.1\n'
+    )
+    assert compare.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        "error: unknown key(s) ['epocs'] in the shared [schedule] (did you mean 'epochs'?); "
+        "valid keys: ['epochs', 'warmup']\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "where"),
+    [
+        ({"name": "sgd", "lr": 1e300}, r"\[optimizer\]\.lr"),
+        ({"name": "sgd", "lr": 0.1, "momentum": -math.inf}, r"\[optimizer\]\.momentum"),
+        ({"name": "adam", "lr": 1e-3, "betas": [0.9, math.nan]}, r"\[optimizer\]\.betas\[1\]"),
+        (
+            {"name": "lie", "group": "additive", "lr": 0.1, "group_options": {"scale": 1e39}},
+            r"\[optimizer\]\.group_options\.scale",
+        ),
+    ],
+)
+def test_a_number_beyond_float32_is_a_clear_error(optimizer: dict, where: str) -> None:
+    """Also in lists and in the tables a library class takes, before torch meets it."""
+    with pytest.raises(ConfigError, match=rf"^{where} must be a finite number within float32's"):
+        resolve({**tiny_config(), "optimizer": optimizer})
+
+
+@pytest.mark.parametrize("lr", ["1e300", "inf", "nan"])
+def test_an_overflowing_lr_is_one_line_before_training(
+    lr: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = tmp_path / "big.toml"
+    path.write_text(
+        '[data]\nname = "synthetic"\ntrain_size = 16\ntest_size = 8\n[model]\nname = "mlp"\n'
+        f'[optimizer]\nname = "sgd"\nlr = {lr}\n[schedule]\nepochs = 1\n'
+    )
+    assert train.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: [optimizer].lr must be a finite number within float32's range "
+        f"(|x| <= {torch.finfo(torch.float32).max:.4g}), got {float(lr)!r}\n"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
