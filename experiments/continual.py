@@ -674,10 +674,13 @@ def continual(
         summary = {label: r["summary"] for label, r in results.items()}
         first = next(iter(next(iter(configs.values())).values()))
         figure = out / "average_accuracy.png"
-        title = continual_report.figure_title(first, list(next(iter(configs.values()))))
+        seeds = list(next(iter(configs.values())))
+        title = continual_report.figure_title(first, seeds)
         samples = first["eval"]["samples"]
-        continual_report.average_accuracy_figure(summary, samples, figure, title)
-        continual_report.final_accuracy_figure(summary, samples, out / "final_accuracy.png", title)
+        lost = {label: r["diverged_seeds"] for label, r in results.items()}
+        continual_report.average_accuracy_figure(summary, samples, figure, title, seeds, lost)
+        final = out / "final_accuracy.png"
+        continual_report.final_accuracy_figure(summary, samples, final, title, seeds, lost)
         skeleton.write_report(out, results, continual_report.report(configs, results))
     return results
 

@@ -186,17 +186,36 @@ def matrix_table(mean_matrix: Sequence[Sequence[float]]) -> list[str]:
     return markdown(head, rows, [LEFT] + [RIGHT] * t)
 
 
+def _notes(seeds: Sequence[int], diverged: Mapping[str, Sequence[int]]) -> dict[str, str]:
+    """method → :func:`diverged_note` of its ``diverged`` seeds among ``seeds``."""
+    return {method: diverged_note(seeds, lost) for method, lost in diverged.items()}
+
+
+def _label(method: str, by_estimate: Mapping[str, Any], samples: int, note: str) -> str:
+    """A method's label in the figures: its estimate shown and its diverged seeds."""
+    parts = [f"average of {samples}"] if "average" in by_estimate else []
+    parts += [note] if note else []
+    return f"{method} ({'; '.join(parts)})" if parts else method
+
+
 def average_accuracy_figure(
-    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path, title: str = ""
+    summary: Mapping[str, Mapping[str, Any]],
+    samples: int,
+    path: Path,
+    title: str = "",
+    seeds: Sequence[int] = (),
+    diverged: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
     """Average accuracy against tasks learned: per method (one colour) the mean over seeds
     as a line and the band between the lowest and the highest seed; a rule with a
-    posterior shows its model average of ``samples``, and its point estimate dashed."""
+    posterior shows its model average of ``samples``, and its point estimate dashed; the
+    labels name the ``diverged`` seeds (method → seeds) of the ``seeds``."""
+    notes = _notes(seeds, diverged or {})
     curves: dict[str, dict[str, np.ndarray]] = {}
     for method, by_estimate in _trained(summary).items():
         estimate = "average" if "average" in by_estimate else "point"
         values = 100 * np.asarray([c["values"] for c in by_estimate[estimate]["average_accuracy"]])
-        label = f"{method} (average of {samples})" if estimate == "average" else method
+        label = _label(method, by_estimate, samples, notes.get(method, ""))
         curves[label] = {"mean": values.mean(1), "low": values.min(1), "high": values.max(1)}
         if estimate == "average":
             point = np.asarray([c["values"] for c in by_estimate["point"]["average_accuracy"]])
@@ -204,24 +223,36 @@ def average_accuracy_figure(
     figures.average_accuracy(curves, path, title)
 
 
-def final_bars(summary: Mapping[str, Mapping[str, Any]], samples: int) -> dict[str, list[float]]:
-    """Per method the final average accuracy (%) of each seed: a rule's model average of
-    ``samples``, the point estimate of a method without a posterior."""
+def final_bars(
+    summary: Mapping[str, Mapping[str, Any]], samples: int, notes: Mapping[str, str] | None = None
+) -> dict[str, list[float]]:
+    """Per method, also one that diverged on every seed (no values), the final average
+    accuracy (%) of each seed that trained: a rule's model average of ``samples``, the
+    point estimate of a method without a posterior; ``notes`` as in the labels."""
+    notes = notes or {}
     bars = {}
-    for method, by_estimate in _trained(summary).items():
-        average = "average" in by_estimate
-        label = f"{method} (average of {samples})" if average else method
-        leaf = by_estimate["average" if average else "point"]["final_accuracy"]
+    for method, by_estimate in _estimates(summary).items():
+        label = _label(method, by_estimate, samples, notes.get(method, ""))
+        estimate = "average" if "average" in by_estimate else "point"
+        leaf = by_estimate.get(estimate, {}).get("final_accuracy", {"values": []})
         bars[label] = [100 * v for v in leaf["values"]]
     return bars
 
 
 def final_accuracy_figure(
-    summary: Mapping[str, Mapping[str, Any]], samples: int, path: Path, title: str = ""
+    summary: Mapping[str, Mapping[str, Any]],
+    samples: int,
+    path: Path,
+    title: str = "",
+    seeds: Sequence[int] = (),
+    diverged: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
-    """Final average accuracy per method, the mean as a bar and each seed as a dot
-    (:func:`final_bars`)."""
-    figures.final_accuracy(final_bars(summary, samples), path, title)
+    """Final average accuracy per method, the mean as a bar, each seed that trained as a
+    dot and each of the ``diverged`` seeds (method → seeds) as a cross (:func:`final_bars`)."""
+    diverged = diverged or {}
+    bars = final_bars(summary, samples, _notes(seeds, diverged))
+    counts = dict(zip(bars, (len(diverged.get(m, ())) for m in summary), strict=True))
+    figures.final_accuracy(bars, path, title, counts)
 
 
 def stream_name(stream: Mapping[str, Any]) -> str:
@@ -231,12 +262,44 @@ def stream_name(stream: Mapping[str, Any]) -> str:
 
 
 def figure_title(cfg: Mapping[str, Any], seeds: Sequence[int]) -> str:
-    """The figure's title: the stream, its passes, the network and the seeds."""
+    """The figure's title: the data set and stream, its passes, the network and the seeds."""
     return (
         f"{stream_name(cfg['stream'])}, {cfg['stream']['tasks']} tasks: "
         f"{cfg['train']['epochs']} passes per task, MLP {cfg['model']['widths']}, seeds "
-        f"{list(seeds)}"
+        f"{', '.join(map(str, seeds))}"
     )
+
+
+def summary_from_docs(labels: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The :func:`over_seeds` summaries (final and average accuracy) of a stream's
+    ``docs/results`` summary's ``labels`` (see :mod:`experiments.docs_tables`)."""
+    summary: dict[str, dict[str, Any]] = {}
+    for label, entry in labels.items():
+        nested: dict[str, dict[str, Any]] = {}
+        for key, leaf in entry["metrics"].items():
+            estimate, _, rest = key.partition(".")
+            name, _, index = rest.partition(".")
+            if estimate in ESTIMATES and name == "average_accuracy":
+                nested.setdefault(estimate, {}).setdefault(name, {})[int(index)] = leaf
+            elif estimate in ESTIMATES and name == "final_accuracy":
+                nested.setdefault(estimate, {})[name] = leaf
+        for parts in nested.values():
+            curve = parts["average_accuracy"]
+            parts["average_accuracy"] = [curve[i] for i in sorted(curve)]
+        summary[label] = nested
+    return summary
+
+
+def docs_figures(docs_summary: Mapping[str, Any], cfg: Mapping[str, Any], out: Path) -> None:
+    """``out/average_accuracy.png`` and ``out/final_accuracy.png`` of a stream from its
+    ``docs/results`` summary and one resolved run config ``cfg`` of it, without training."""
+    labels = docs_summary["labels"]
+    summary = summary_from_docs(labels)
+    seeds = next(iter(labels.values()))["seeds"]
+    lost = {label: entry.get("diverged", []) for label, entry in labels.items()}
+    title, samples = figure_title(cfg, seeds), cfg["eval"]["samples"]
+    average_accuracy_figure(summary, samples, out / "average_accuracy.png", title, seeds, lost)
+    final_accuracy_figure(summary, samples, out / "final_accuracy.png", title, seeds, lost)
 
 
 def _hyperparameters(method: Mapping[str, Any]) -> str:

@@ -49,7 +49,8 @@ def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path, 
 
     Bars: accuracy per confidence bin; a hatched bar spans the gap to the bin's mean
     confidence, red above the accuracy (overconfident), black over the bar below it
-    (underconfident); the diagonal is perfect calibration.
+    (underconfident); the diagonal is perfect calibration; over each bin, its number of
+    examples.
     """
     fig, axes = plt.subplots(1, len(panels), figsize=RELIABILITY_SIZE, squeeze=False)
     accuracy: dict[str, Any] = {"color": "tab:blue", "linewidth": 0}
@@ -76,7 +77,11 @@ def reliability_diagram(panels: Mapping[str, Mapping[str, Tensor]], path: Path, 
         ax.bar(left[up], (conf - acc)[up], width[up], acc[up], align="edge", lw=0, **over)
         ax.bar(left[down], (acc - conf)[down], width[down], conf[down], align="edge", **under)
         ax.plot([0, 1], [0, 1], "k--", lw=1)
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=name)
+        counts = hist["count"].numpy()[filled]
+        for x, top, n in zip(left + width / 2, np.maximum(acc, conf), counts, strict=True):
+            ax.text(x, top, f"{int(n)}", ha="center", va="bottom", fontsize=6, rotation=90)
+        ax.set(xlim=(0, 1), ylim=(0, 1.1), ylabel="accuracy", title=name)
+        ax.set_xlabel("confidence (over each bin: its number of examples)")
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize="small")
     fig.suptitle(title)
     fig.tight_layout(rect=(0.0, 0.06, 1.0, 1.0))
@@ -406,29 +411,46 @@ def pixel_size(figsize: tuple[float, float]) -> tuple[int, int]:
     return math.floor(figsize[1] * DPI), math.floor(figsize[0] * DPI)
 
 
-def final_accuracy(bars: Mapping[str, Sequence[float]], path: Path, title: str = "") -> None:
-    """Final average accuracy (%) per method: a horizontal bar at the mean over seeds and a
-    dot per seed, the methods top to bottom in the order of ``bars`` (label → values)."""
-    height = 1.0 + 0.3 * len(bars)
+def final_accuracy(
+    bars: Mapping[str, Sequence[float]],
+    path: Path,
+    title: str = "",
+    diverged: Mapping[str, int] | None = None,
+) -> None:
+    """Final average accuracy (%) per method on an axis from 0 to 100: a horizontal bar at
+    the mean over the seeds that trained, a dot per such seed and a red cross at 0 per
+    diverged seed (``diverged``: label → count), the methods top to bottom in the order of
+    ``bars`` (label → values; empty for a method that diverged on every seed)."""
+    diverged = diverged or {}
+    height = 1.5 + 0.3 * len(bars)
     fig, ax = plt.subplots(figsize=(CURVES_SIZE[0], height))
     rows = np.arange(len(bars))[::-1]
-    for row, values in zip(rows, bars.values(), strict=True):
-        ax.barh(row, np.mean(values), color="tab:blue", alpha=0.35)
-        ax.plot(values, [row] * len(values), "o", color="tab:blue", ms=3)
+    for row, (label, values) in zip(rows, bars.items(), strict=True):
+        if values:
+            ax.barh(row, np.mean(values), color="tab:blue", alpha=0.35)
+            ax.plot(values, [row] * len(values), "o", color="tab:blue", ms=3)
+        lost = diverged.get(label, 0)
+        ax.plot([0.0] * lost, [row] * lost, "x", color="tab:red", ms=7, mew=2, clip_on=False)
     ax.set_yticks(rows, list(bars), fontsize="small")
-    every = [v for values in bars.values() for v in values]
-    ax.set_xlim(max(0.0, min(every) - 5.0), min(100.0, max(every) + 2.0))
-    ax.set(xlabel="final average accuracy over all tasks (%): bar the mean, dots the seeds")
+    ax.set_xlim(0.0, 100.0)
+    ax.set(xlabel="final average accuracy over all tasks (%)")
     ax.set_title(title, fontsize="small")
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    legend = [
+        Patch(color="tab:blue", alpha=0.35, label="mean over the seeds that trained"),
+        Line2D([], [], ls="", marker="o", color="tab:blue", ms=3, label="a seed"),
+        Line2D([], [], ls="", marker="x", color="tab:red", mew=2, label="a diverged seed"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize="small")
+    fig.tight_layout(rect=(0.0, 0.3 / height, 1.0, 1.0))
     _save(fig, path)
 
 
 def average_accuracy(
     curves: Mapping[str, Mapping[str, np.ndarray]], path: Path, title: str = ""
 ) -> None:
-    """Average accuracy (%) against the number of tasks learned, one colour per method.
+    """Average accuracy (%), on an axis from 0 to 100, against the number of tasks learned,
+    one colour per method.
 
     ``curves`` maps a method to arrays over tasks: ``mean`` (a line), ``low`` and ``high``
     (a band, e.g. the lowest and highest seed) and optionally ``dashed`` (a second line in
@@ -448,6 +470,7 @@ def average_accuracy(
     if any("dashed" in c for c in curves.values()):
         ax.plot([], [], ls="--", lw=1, color="grey", label="dashed: point estimate (at g)")
     ax.set(xlabel="tasks learned", ylabel="average accuracy over tasks learned (%)")
+    ax.set_ylim(0.0, 100.0)
     ax.set_title(title, fontsize="small")
     ax.set_xticks(np.arange(1, max(len(c["mean"]) for c in curves.values()) + 1))
     ax.grid(alpha=0.3)

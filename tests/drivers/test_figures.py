@@ -5,15 +5,17 @@ legend, colour that carries a value has a colour bar, and series that coincide s
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 import pytest
 import torch
 from matplotlib.collections import PolyCollection
 
-from experiments import compare, figures, train
+from experiments import compare, continual_report, figures, train
 from tests.drivers.test_experiments import tiny_config
 
 
@@ -178,3 +180,74 @@ def test_every_figure_of_a_comparison_names_it(tmp_path: Path, drawn: dict[str, 
     assert titles["learning_curves.png"].startswith("my_config, seed 4: ")
     assert titles["weight_magnitudes.png"].startswith("my_config: first-layer weight magnitudes")
     assert titles["reliability.png"].startswith("my_config: gauss (affine), seed 4: ")
+
+
+def test_final_accuracy_starts_at_zero_and_draws_diverged_seeds(drawn: dict[str, Any]) -> None:
+    """A method that diverged on every seed keeps its row, with a cross at 0 per seed; one
+    with a diverged seed has a dot per seed that trained and a cross for the other."""
+    results = {
+        "sgd": {"point": {"final_accuracy": {"values": [0.19, 0.2, 0.21]}}},
+        "affine": {"point": {}, "average": {"final_accuracy": {"values": [0.8, 0.82]}}},
+        "lost": {},
+    }
+    diverged = {"sgd": [], "affine": [2], "lost": [0, 1, 2]}
+    continual_report.final_accuracy_figure(results, 32, Path("a.png"), "t", [0, 1, 2], diverged)
+    (ax,) = drawn["a.png"].axes
+    assert ax.get_xlim() == (0.0, 100.0)
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == [
+        "sgd",
+        "affine (average of 32; seed 2 diverged)",
+        "lost (diverged on every seed)",
+    ]
+    dots = [line for line in ax.get_lines() if line.get_marker() == "o"]
+    crosses = [line for line in ax.get_lines() if line.get_marker() == "x"]
+    assert [list(d.get_xdata()) for d in dots] == [pytest.approx([19, 20, 21]), [80, 82]]
+    assert [list(c.get_xdata()) for c in crosses] == [[], [0.0], [0.0] * 3]
+    (legend,) = drawn["a.png"].legends
+    assert "a diverged seed" in [t.get_text() for t in legend.get_texts()]
+
+
+def test_average_accuracy_axis_runs_from_zero(drawn: dict[str, Any]) -> None:
+    curve = {
+        "mean": np.array([90.0, 80.0]),
+        "low": np.array([89.0, 79.0]),
+        "high": np.array([91.0, 81.0]),
+    }
+    figures.average_accuracy({"sgd": curve}, Path("c.png"), "permuted mnist5k")
+    (ax,) = drawn["c.png"].axes
+    assert ax.get_ylim() == (0.0, 100.0)
+
+
+def test_reliability_diagram_writes_each_bins_count(drawn: dict[str, Any]) -> None:
+    hist = {
+        "edges": torch.tensor([0.0, 0.5, 1.0]),
+        "count": torch.tensor([0, 7]),
+        "accuracy": torch.tensor([0.0, 0.75]),
+        "confidence": torch.tensor([0.0, 0.7]),
+    }
+    figures.reliability_diagram({"at g": hist}, Path("r.png"), "mnist5k: rule")
+    (ax,) = drawn["r.png"].axes
+    (text,) = ax.texts
+    assert text.get_text() == "7" and text.get_position() == pytest.approx((0.75, 0.75))
+
+
+def test_the_lifelong_figures_come_from_the_docs_summaries(
+    tmp_path: Path, drawn: dict[str, Any]
+) -> None:
+    """Every method of the committed permuted summary has a row, the diverged ones too."""
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results" / "continual_permuted.json"
+    summary = json.loads(docs.read_text())
+    cfg = {
+        "stream": {"name": "permuted", "dataset": "mnist5k", "tasks": 10},
+        "train": {"epochs": 10},
+        "model": {"widths": [100, 100]},
+        "eval": {"samples": 32},
+    }
+    continual_report.docs_figures(summary, cfg, tmp_path)
+    (ax,) = drawn["final_accuracy.png"].axes
+    assert len(ax.get_yticklabels()) == len(summary["labels"])
+    assert (
+        ax.get_title().startswith("permuted mnist5k, 10 tasks")
+        and "seeds 0, 1, 2" in ax.get_title()
+    )

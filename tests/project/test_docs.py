@@ -174,3 +174,67 @@ def test_nothing_cites_the_design_notes_outside_the_repository():
     ]
     citing = [p.relative_to(ROOT).as_posix() for p in files if name in p.read_text("utf-8")]
     assert len(files) > 50 and not citing, citing
+
+
+README = ROOT / "README.md"
+
+
+def _before_first_example(text: str) -> str:
+    """The paragraph right before a page's first ```python block."""
+    head = text[: text.index("```python")].rstrip()
+    return head[head.rfind("\n\n") + 2 :]
+
+
+@pytest.mark.parametrize("page", [README, DOCS / "index.md"], ids=["README", "index"])
+def test_the_first_example_says_which_loop_to_write(page):
+    """Right before its first example the page names both loops: a closure, or
+    ``between_steps="sample"`` for the plain ``loss.backward(); optimizer.step()``."""
+    said = " ".join(_before_first_example(page.read_text(encoding="utf-8")).split())
+    assert "step(closure)" in said and 'between_steps="sample"' in said, said
+    assert "loss.backward();" in said and "drop-in" not in page.read_text(encoding="utf-8")
+
+
+def test_the_plain_loop_needs_between_steps_sample():
+    """What the README and the index say: ``loss.backward(); opt.step()`` stops by default
+    with a message naming the option, and trains with it."""
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    model = torch.nn.Linear(4, 3)
+    opt = liegroup_blr.AffineBLR(model.parameters(), lr=0.5, scale_lr=0.05, data_size=64)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="between_steps='sample'"):
+        opt.step()
+    opt = liegroup_blr.AffineBLR(
+        model.parameters(), lr=0.5, scale_lr=0.05, data_size=64, between_steps="sample"
+    )
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_the_readme_says_what_it_is_then_gives_its_two_commands():
+    """Two lines of what the library is, then the main job's command and, after "Run the
+    tests:" and a blank line (what .ci/run reads), the test command."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "# liegroup_blr" and lines[1] == lines[4] == ""
+    assert "PyTorch optimizers" in lines[2] and "](docs/index.md)" in lines[3]
+    commands = [line.strip() for line in lines if line.startswith("    python3 -m venv")]
+    assert commands[0].endswith("-m experiments.compare experiments/configs/cpu_default.toml")
+    at = lines.index("Run the tests:")
+    assert lines[at + 1] == "" and lines[at + 2].strip() == commands[1]
+    assert commands[1].endswith(".venv/bin/python -m pytest -n 2")
+
+
+def test_the_readme_links_the_pages_it_mentions_and_times_the_job_once():
+    """Above its Benchmarks: no page named by title alone ("the documentation's ..."), every
+    relative link to an existing page, and one time for the main job."""
+    top = README.read_text(encoding="utf-8").split("## Benchmarks")[0]
+    assert "documentation's" not in top
+    links = re.findall(r"\]\((docs/[\w/]+\.md)\)", top)
+    assert len(links) >= 8 and all((ROOT / link).is_file() for link in links), links
+    assert len(re.findall(r"\b\d+\s+min(?:utes)?\b", top)) == 1
