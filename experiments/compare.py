@@ -298,15 +298,14 @@ def _compare(
     }
     eval_set = next(iter(per_seed[next(iter(configs))].values()))["eval_set"]
     seeds = f"seed{'s' if len(seed_names) > 1 else ''} {', '.join(map(str, seed_names))}"
-    figures.learning_curves(
-        histories, out / "learning_curves.png", f"{out.name}, {seeds}", eval_set
-    )
+    data = skeleton.data_name(next(iter(configs.values()))[seed_names[0]], out)
+    figures.learning_curves(histories, out / "learning_curves.png", f"{data}, {seeds}", eval_set)
     weights = {label: _first_layer_at_g(out / label / f"seed{seed_names[0]}") for label in configs}
     first_weight = next(iter(weights.values()))
     figures.weight_magnitudes(
         weights,
         out / "weight_magnitudes.png",
-        f"{out.name}: first-layer weight magnitudes at g, seed {seed_names[0]}",
+        f"{data}: first-layer weight magnitudes at g, seed {seed_names[0]} (of {seeds})",
         NEAR_ZERO * init_scale(first_weight),
     )
     skeleton.write_report(out, results, report(configs, results, out))

@@ -263,6 +263,13 @@ def write_report(
     runfiles.write_text(out / files[1], report + "\n")
 
 
+def data_name(cfg: dict[str, Any], out: Path) -> str:
+    """What a figure's title calls a run's data: the data set and the model (``mnist5k,
+    cnn``), else the output folder's name (a driver whose config has no ``[data]``)."""
+    data, model = cfg.get("data", {}).get("name"), cfg.get("model", {}).get("name")
+    return f"{data}, {model}" if data and model else out.name
+
+
 # ----------------------------------------------------------------------------- the runs
 @dataclass(frozen=True)
 class Runner:
@@ -305,7 +312,8 @@ def run_all(
                 out / label / f"seed{seed}",
                 resume,
                 progress=partial(progress.epoch, (label, seed)) if main else None,
-                title=f"{out.name}: {label}{f' ({kind})' if kind != label else ''}, seed {seed}",
+                title=f"{data_name(cfg, out)}: {label}{f' ({kind})' if kind != label else ''}, "
+                f"seed {seed}",
             )
             done = f"== run {label!r}, seed {seed} done in {time.perf_counter() - tic:.1f}s"
             print(done + (f"; {progress.end((label, seed))}" if main else ""), flush=True)

@@ -279,6 +279,28 @@ def test_compare_over_seeds_reports_mean_sd_and_per_seed(tmp_path: Path) -> None
         assert (tmp_path / png).exists()
 
 
+def test_compare_figures_name_the_data_and_the_seeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every figure's title names the data set and model (not the output folder) and the
+    seeds drawn: the learning curves all of them, the weight histograms the one shown."""
+    titles: dict[str, str] = {}
+
+    def record(name: str) -> Any:
+        def draw(*args: Any, **kwargs: Any) -> None:
+            titles[name] = args[2]
+
+        return draw
+
+    monkeypatch.setattr(compare.figures, "learning_curves", record("curves"))
+    monkeypatch.setattr(compare.figures, "weight_magnitudes", record("weights"))
+    compare.compare(copy.deepcopy(TINY), tmp_path / "some_folder")
+    assert titles["curves"] == "synthetic, mlp, seeds 0, 1"
+    assert titles["weights"].startswith("synthetic, mlp: ")
+    assert titles["weights"].endswith("seed 0 (of seeds 0, 1)")
+    assert all("some_folder" not in title for title in titles.values())
+
+
 def test_compare_seeds_flag_overrides_the_config(tmp_path: Path) -> None:
     raw = copy.deepcopy(TINY)
     raw["runs"] = {"sgd": raw["runs"]["sgd"]}
