@@ -104,6 +104,7 @@ def _optimizer(
         mc_samples=samples,
         seed=seed,
         noise=sources[noise](),
+        init="auto",  # the reference initialisation: rewrites the weights on purpose
     )
 
 

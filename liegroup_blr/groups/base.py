@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import abc
+import warnings
 
-import geoopt
 import torch
 import torch.func
 from torch import Tensor
 from torch.distributions import Distribution
+
+with warnings.catch_warnings():  # geoopt decorates with torch.jit.script, deprecated in torch
+    warnings.filterwarnings("ignore", r"`torch\.jit\.script", DeprecationWarning)
+    import geoopt
 
 __all__ = ["LieGroup"]
 

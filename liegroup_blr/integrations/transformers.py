@@ -81,13 +81,14 @@ class BLRTrainerCallback(transformers.TrainerCallback):
     """
 
     def __init__(self) -> None:
-        self._parked: list[BLROptimizer] = []
+        self._parked: list[BLROptimizer] = []  # for an evaluation or a save during training
+        self._ended: list[BLROptimizer] = []  # at the end of training, for the next train()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")
         check_optimizer(optimizer)
-        resume([o for o in self._parked if o is unwrap(optimizer)])
-        self._parked = []
+        resume([o for o in self._ended if o is unwrap(optimizer)])
+        self._parked, self._ended = [], []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if control.should_save or control.should_evaluate:  # set by the flow callback before
@@ -105,7 +106,7 @@ class BLRTrainerCallback(transformers.TrainerCallback):
         self._parked = []
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._parked = park(blr_optimizers([kwargs.get("optimizer")]))
+        self._ended = park(blr_optimizers([kwargs.get("optimizer")]))
 
 
 class BLRTrainer(transformers.Trainer):

@@ -63,6 +63,8 @@ class AdditiveBLR(BLROptimizer):
         temperature: τ ≥ 0 (no effect: the entropy of m + ξ does not depend on m).
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
+        weight_decay: w ≥ 0, L2 as ``torch.optim.SGD``'s: adds w·θ to each sample's gradient
+            (the prior N(0, 1/(wN)), δ = wN); the default of the param-group key.
         point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
@@ -78,6 +80,7 @@ class AdditiveBLR(BLROptimizer):
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         *,
+        weight_decay: float = 0.0,
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
@@ -88,6 +91,7 @@ class AdditiveBLR(BLROptimizer):
             data_size=data_size,
             temperature=temperature,
             prior_precision=prior_precision,
+            weight_decay=weight_decay,
         )
         super().__init__(
             params,

@@ -83,11 +83,13 @@ class AffineBLR(BLROptimizer):
         momentum: β₁ ∈ [0, 1) for M_V.
         scale_momentum: β₂ ∈ [0, 1) for M_U.
         base: q0, default ``Normal(0, 0.005)`` (the reference ResNet-20's).
-        data_size: N, required when τ > 0 or δ > 0.
+        data_size: N, keyword-only and required (``None`` only with τ = δ = 0).
         temperature: τ ≥ 0.
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         init_scale: initial A > 0.
+        weight_decay: w ≥ 0, L2 as ``torch.optim.SGD``'s: adds w·θ to each sample's gradient
+            (the prior N(0, 1/(wN)), δ = wN); the default of the param-group key.
         point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
@@ -102,12 +104,13 @@ class AffineBLR(BLROptimizer):
         momentum: float = 0.8,
         scale_momentum: float = 0.999,
         base: Distribution | None = None,
-        data_size: float | None = None,
+        *,
+        data_size: float | None,
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         init_scale: float = 1.0,
-        *,
+        weight_decay: float = 0.0,
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
@@ -120,6 +123,7 @@ class AffineBLR(BLROptimizer):
             data_size=data_size,
             temperature=temperature,
             prior_precision=prior_precision,
+            weight_decay=weight_decay,
             init_scale=init_scale,
         )
         super().__init__(

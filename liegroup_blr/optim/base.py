@@ -30,19 +30,19 @@ the param group's hyperparameters as keywords.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .._userline import warn
 from ..fisher import entropy_gradient
 from ..groups import LieGroup
 from ..noise import NoiseSource, noise_source
@@ -65,6 +65,9 @@ from .scratch import Scratch, state_dtype
 from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads, all_finite
 
 __all__ = ["BLROptimizer"]
+
+Loss = TypeVar("Loss", bound=float | Tensor | None)
+"""What a closure returns, and :meth:`BLROptimizer.step` with it."""
 
 POINT_ESTIMATES = ("g", "mean")
 """Where the point estimate is read: at the group's reference point ξ₀, or at E[ξ]."""
@@ -579,22 +582,33 @@ class BLROptimizer(Optimizer):
         """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in
         every parameter the optimizer has trained (frozen ones too) for the block, whatever
         they hold between steps; on exit they hold what they held before (with
-        ``between_steps="sample"``, the training sample)."""
+        ``between_steps="sample"``, the training sample), or what a :meth:`restore` or
+        :meth:`load_state_dict` inside the block wrote (the block holds the new point estimate
+        after it)."""
         engine = self._engine
         if engine.block:
             raise RuntimeError(f"point_estimate() cannot be nested inside {engine.block}()")
         self._take_writes()
-        params = [local(p) for p in self._params() if p in self.state]
-        kept = [p.detach().clone() for p in params]
         engine.block = "point_estimate"
         try:
-            self._write_points(frozen=True)
+            self._hold_point(frozen=True)
             yield
         finally:
             engine.block = ""
+            kept, engine.kept = engine.kept, {}
             with torch.no_grad():
-                torch._foreach_copy_(params, kept)
+                torch._foreach_copy_(list(kept), list(kept.values()))
             self._mark_writes()
+
+    @torch.no_grad()
+    def _hold_point(self, frozen: bool) -> None:
+        """Inside a ``point_estimate`` block: keep what the trained parameters (``frozen``:
+        also those frozen since) hold now, for its end, and write the point estimates."""
+        if self._engine.block != "point_estimate":
+            return
+        params = [p for p in self._params() if p in self.state and (frozen or p.requires_grad)]
+        self._engine.kept.update((local(p), local(p).detach().clone()) for p in params)
+        self._write_points(frozen=True)
 
     def restore(self, frozen: bool = False) -> None:
         """Write the point estimate into every trained parameter (``frozen``: also into those
@@ -605,11 +619,18 @@ class BLROptimizer(Optimizer):
         self._take_writes()
         self._write_points(frozen)
         self._holding.forget()
+        self._hold_point(frozen)
         self._mark_writes()
 
     # ------------------------------------------------------------------- step
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], Loss]) -> Loss: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Loss] | None = None) -> Loss | None:
         """One update of every group element.
 
         Args:
@@ -672,9 +693,9 @@ class BLROptimizer(Optimizer):
                 with torch.enable_grad():
                     values.append(closure())
                 if foreign is not None:
-                    added, foreign = foreign.added_to(), None
-                    if added:
-                        self._refuse_outside_gradients()
+                    verdict, foreign = foreign.verdict(), None
+                    if verdict:
+                        self._refuse_outside_gradients(verdict)
                 if self._fresh_gradients() or (s == 0 and made_outside):
                     self._accumulate_sample(sample, None, defer=True)
                     value = values[-1]
@@ -683,16 +704,18 @@ class BLROptimizer(Optimizer):
                     self.noise_source.load_state_dict(rng)  # do-nothing one after blocks)
         except BaseException:
             if foreign is not None:
-                foreign.added_to()  # its hooks removed
+                foreign.verdict()  # its hooks removed
             self.discard()
             raise
         if self.mc_samples == 1:
             return values[0]
         return sum(losses) / len(losses) if losses and None not in losses else None
 
-    def _refuse_outside_gradients(self) -> None:
+    def _refuse_outside_gradients(self, verdict: str) -> None:
         """Gradients made outside ``step(closure)`` since the last update (at the point
-        estimate, or, with several samples, only at the first) were added to by the closure."""
+        estimate, or, with several samples, only at the first) were added to by the closure
+        (``verdict`` ``"added to"``) or left in place by a closure that computed none
+        (``"left"``)."""
         held = self._holding.resident is not None
         where = "at one sample" if held else "at the point estimate"
         fix = (
@@ -704,6 +727,13 @@ class BLROptimizer(Optimizer):
             else "construct the optimizer with between_steps='sample' and mc_samples=1"
         )
         self.discard()
+        if verdict == "left":
+            raise RuntimeError(
+                f"step(closure) found gradients computed outside step() since the last update "
+                f"({where}), and the closure computed none (no backward pass reached them): "
+                f"they are not a sample's; pass a closure that zeroes the gradients and "
+                f"computes the loss and its backward, or {fix}"
+            )
         raise RuntimeError(
             f"step(closure) found gradients computed outside step() since the last update "
             f"({where}) and the closure added to them (gradient accumulation over "
@@ -754,11 +784,9 @@ class BLROptimizer(Optimizer):
                 work.append((index, self.param_groups[index], t if all(keep) else t.subset(keep)))
         if not work and engine.tensors and not engine.warned:
             engine.warned = True
-            warnings.warn(
+            warn(
                 f"{type(self).__name__}.step(): no trained parameter has a gradient, so the "
                 "step changed nothing (does the closure call loss.backward()?)",
-                UserWarning,
-                stacklevel=5,
             )
         n = engine.samples
         if self.process_group is not None:
@@ -900,13 +928,11 @@ class BLROptimizer(Optimizer):
                 resident.noise[held[p]] = noise
         if adopted:
             where = "; the parameters hold it as their training sample until the next step"
-            warnings.warn(
+            warn(
                 f"{type(self).__name__}: {adopted} parameter(s) were written outside the "
                 "optimizer (load_state_dict, a restored checkpoint or average, a weight "
                 "constraint): the values are adopted as the posterior's location, its point "
                 f"estimate{where if sampled else ''}",
-                UserWarning,
-                stacklevel=4,
             )
 
     def _expected(self, group: dict[str, Any], p: Tensor, held: dict[Tensor, int]) -> Tensor:
@@ -1033,10 +1059,9 @@ class BLROptimizer(Optimizer):
                 G = self._group_of(group)
                 entries[key] = PosteriorEntry(element, G, group["base"], p.shape)
         if missing:
-            warnings.warn(
+            warn(
                 f"Posterior: {len(missing)} parameter(s) without optimizer state (never "
                 f"trained, e.g. frozen) left out: {missing}",
-                stacklevel=2,
             )
         return Posterior(
             entries, point_estimate=self.point_convention, missing=missing, size=position
@@ -1174,6 +1199,7 @@ class BLROptimizer(Optimizer):
         self.noise_source.end_step()
         self._upgrade(self.param_groups)
         self._holding.between_steps(self)  # the point estimate, or the saved sample drawn again
+        self._hold_point(frozen=False)
         self._mark_writes()
         for post_hook in post_hooks.values():
             post_hook(self)
@@ -1211,13 +1237,11 @@ class BLROptimizer(Optimizer):
             )
             self.noise_source.make_generators(list(self.state))
         else:
-            warnings.warn(
+            warn(
                 "load_state_dict: no noise state ('rng'; torch.distributed.checkpoint's "
                 "get_optimizer_state_dict keeps only 'state' and 'param_groups'), so the noise "
                 "goes on from this optimizer's generators; checkpoint "
                 "liegroup_blr.optim.TrainingState(model, optimizer) to resume bit for bit",
-                UserWarning,
-                stacklevel=3,
             )
         self._engine.skipped = int(extras.get("skipped_steps", 0))
         saved = extras.get("prior")

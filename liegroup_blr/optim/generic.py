@@ -88,6 +88,8 @@ class LieGroupBLR(BLROptimizer):
         temperature: τ ≥ 0.
         prior_precision: δ ≥ 0 of the Gaussian prior N(0, I/δ).
         mc_samples: S ≥ 1 samples per :meth:`~liegroup_blr.optim.BLROptimizer.step` with a closure.
+        weight_decay: w ≥ 0, L2 as ``torch.optim.SGD``'s: adds w·θ to each sample's gradient
+            (the prior N(0, 1/(wN)), δ = wN); the default of the param-group key.
         preconditioner: ``None``; per-component step factors, a sequence (one per leading
             algebra component, or one for all) or a mapping ``{component name: factor}``
             over ``group.components``; ``"fisher"`` (the inverse Fisher metric at the
@@ -115,6 +117,7 @@ class LieGroupBLR(BLROptimizer):
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         *,
+        weight_decay: float = 0.0,
         preconditioner: Preconditioner = None,
         init: Callable[[Tensor], Tensor] | None = None,
         point_estimate: str = "g",
@@ -130,6 +133,7 @@ class LieGroupBLR(BLROptimizer):
             data_size=data_size,
             temperature=temperature,
             prior_precision=prior_precision,
+            weight_decay=weight_decay,
         )
         super().__init__(
             params, defaults, group, mc_samples=mc_samples, point_estimate=point_estimate, **engine

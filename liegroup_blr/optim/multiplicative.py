@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributions import Distribution
 from typing_extensions import Unpack
 
+from .._userline import warn
 from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
 from .base import BLROptimizer
@@ -53,6 +54,11 @@ INITS = ("auto", "reference", "keep")
 class MultiplicativeBLR(BLROptimizer):
     r"""Lie-group BLR with the multiplicative group: excitatory/inhibitory networks.
 
+    By default (``init=None``: ``"auto"``, with one warning) construction rewrites the
+    model's weights as :math:`g^+ - g^-` from :math:`|w|` and a random permutation of w (the
+    reference initialisation). Pass ``init="keep"`` to keep them (pretrained weights), or
+    ``init="auto"`` or ``"reference"`` to rewrite them without the warning.
+
     Each weight is :math:`\theta = g^+ \odot \xi^+ - g^- \odot \xi^-` with positive
     :math:`g^\pm` and fresh independent :math:`\xi^\pm \sim q_0` on (0, ∞) at every sample
     (``signed=False``: :math:`\theta = g \odot \xi`). With :math:`\bar\ell_\delta = \bar\ell
@@ -70,7 +76,7 @@ class MultiplicativeBLR(BLROptimizer):
     :math:`w^-` an independent-looking second draw of the same initialisation, made by a
     random permutation of its entries — this rewrites the weights. ``init="keep"`` keeps
     them (pretrained weights): :math:`g^\pm = \max(\pm\theta, 0) + \text{offset}`, so
-    :math:`g^+ - g^- = \theta`. ``init="auto"`` (default) is ``"reference"``, except for a
+    :math:`g^+ - g^- = \theta`. ``init="auto"`` (the default's) is ``"reference"``, except for a
     tensor whose entries are all equal (a norm layer's weights, a constant bias): a
     permutation of it is itself, so ``"reference"`` would give :math:`g^+ = g^-` and θ = 0;
     such a tensor is kept (on tensors that are not constant, and on constant ones equal to 0,
@@ -83,13 +89,16 @@ class MultiplicativeBLR(BLROptimizer):
         lr: α > 0 (reference MLP: 50).
         momentum: β ∈ [0, 1).
         base: q0 on (0, ∞), default ``Rayleigh(1)``.
-        data_size: N, required when τ > 0 or δ > 0.
+        data_size: N, keyword-only and required (``None`` only with τ = δ = 0).
         temperature: τ ≥ 0 (reference MLP: 0.006).
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
         init_offset: offset > 0 added to :math:`|w^\pm|` at initialisation.
+        weight_decay: w ≥ 0, L2 as ``torch.optim.SGD``'s: adds w·θ to each sample's gradient
+            (the prior N(0, 1/(wN)), δ = wN); the default of the param-group key.
         signed: excitatory/inhibitory parts (default) or a single positive part.
-        init: ``"auto"``, ``"reference"`` or ``"keep"`` (see above).
+        init: ``"keep"``, ``"auto"`` or ``"reference"`` (see above); ``None``: ``"auto"``,
+            warning once if it rewrites a weight.
         point_estimate: ``"g"`` or ``"mean"``.
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
@@ -104,20 +113,22 @@ class MultiplicativeBLR(BLROptimizer):
         lr: float,
         momentum: float = 0.9,
         base: Distribution | None = None,
-        data_size: float | None = None,
+        *,
+        data_size: float | None,
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         init_offset: float = 1e-5,
-        *,
+        weight_decay: float = 0.0,
         signed: bool = True,
-        init: str = "auto",
+        init: str | None = None,
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
-        if init not in INITS:
+        if init is not None and init not in INITS:
             raise ValueError(f"init: must be one of {INITS}, got {init!r}")
-        self.init = init
+        self.init = init or "auto"
+        self._warn_rewrite = init is None  # the default rewrites weights: say so, once
         self.signed = signed
         self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
         defaults = dict(
@@ -127,6 +138,7 @@ class MultiplicativeBLR(BLROptimizer):
             data_size=data_size,
             temperature=temperature,
             prior_precision=prior_precision,
+            weight_decay=weight_decay,
             init_offset=init_offset,
         )
         super().__init__(
@@ -153,11 +165,22 @@ class MultiplicativeBLR(BLROptimizer):
             perm = torch.randperm(w.numel(), generator=self._permutations).to(w.device)
             if not keep:
                 w = torch.stack((w, flat[perm].view_as(w)))
+                self._rewrote_weights()
         if keep and self.signed:
             g = self.lie_group.from_point(w, offset)
         else:
             g = w.abs() + offset
         return {"element": g, "momentum": torch.zeros_like(g)}
+
+    def _rewrote_weights(self) -> None:
+        """Warn, the first time only, that the default ``init`` rewrote a weight."""
+        if self._warn_rewrite:
+            self._warn_rewrite = False
+            warn(
+                "MultiplicativeBLR: init=None ('auto') rewrote the model's weights as "
+                "g⁺ − g⁻ from |w| and a permutation of w; pass init='keep' to keep them "
+                "(pretrained weights), or init='auto' to rewrite them without this warning"
+            )
 
     def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
         multiplicative_draw(t.elements, xi, t.params, t.noise, signed=self.signed)

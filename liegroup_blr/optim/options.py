@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor
+
+from .._userline import warn
 
 if TYPE_CHECKING:
     from ..noise import NoiseSource
@@ -92,6 +93,8 @@ class EngineState:
             optimizer last left them, to tell writes made outside it
             (:mod:`~liegroup_blr.optim.outside`).
         warned: whether a step that found no gradient has been warned of.
+        kept: inside a ``point_estimate`` block, what each parameter (its local tensor) holds
+            after it.
     """
 
     samples: int = 0
@@ -106,6 +109,7 @@ class EngineState:
     unaveraged: bool = False
     written: dict[Tensor, tuple[int, int]] = field(default_factory=dict)
     warned: bool = False
+    kept: dict[Tensor, Tensor] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy forgets the gradients and writes it saw (weak references neither copy nor
@@ -121,11 +125,10 @@ class EngineState:
             return
         self.consecutive += 1
         row = self.consecutive
-        warnings.warn(
+        warn(
             f"{name}: non-finite loss, gradient or element; step skipped, optimizer state "
             f"unchanged ({row} in a row, {self.skipped} in all)",
             RuntimeWarning,
-            stacklevel=6,  # skip, _update, step, no_grad, the step hook: the caller
         )
         if limit is not None and row >= limit:
             raise FloatingPointError(

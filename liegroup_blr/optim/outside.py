@@ -85,13 +85,16 @@ class Foreign:
             self.seen.add(p)
             self.mixed = self.mixed or not _cleared(p.grad, self.before[p])
 
-    def added_to(self) -> bool:
-        """Whether the closure added to (or left in place) a gradient made outside the step;
-        removes the hooks."""
+    def verdict(self) -> str:
+        """What the closure did to the gradients made outside the step: ``"added to"`` (its
+        backward added to one), ``"left"`` (one is still there, which its backward never
+        reached: it computed none there) or ``""`` (it cleared them); removes the hooks."""
         for handle in self.handles:
             handle.remove()
+        if self.mixed:
+            return "added to"
         unseen = (p for p in self.before if p not in self.seen)
-        return self.mixed or any(not _cleared(p.grad, self.before[p]) for p in unseen)
+        return "left" if any(not _cleared(p.grad, self.before[p]) for p in unseen) else ""
 
 
 def _cleared(now: Tensor | None, before: Tensor | None) -> bool:

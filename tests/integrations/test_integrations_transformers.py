@@ -172,6 +172,36 @@ def test_trainer_steps_the_clipped_gradient_at_samples_and_evaluates_at_the_poin
     assert metrics["eval_loss"] == pytest.approx(loss, rel=1e-6)
 
 
+RULES: dict[str, Callable[[Any], BLROptimizer]] = {
+    "additive": additive(),
+    "multiplicative": lambda params: multiplicative(params),
+    "affine": lambda params: lgb.AffineBLR(
+        params, lr=0.1, scale_lr=0.01, data_size=64, seed=3, between_steps="sample"
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_evaluating_during_training_changes_no_step(tmp_path, rule):
+    """An evaluation every 5 of 11 steps: the training forwards, group elements and
+    parameters are bit for bit those of the run without (on the old main the forwards after
+    the evaluations at steps 5 and 10 ran at the point estimate)."""
+    runs = []
+    for options in ({}, {"eval_strategy": "steps", "eval_steps": 5}):
+        model = MLP()
+        optimizer = RULES[rule](model.parameters())
+        trainer_for(model, optimizer, tmp_path, max_steps=11, **options).train()
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        runs.append((model.recorder, elements(optimizer, model.net), weights))
+    (quiet, *silent), (evaluating, *evaluated) = runs
+    assert len(evaluating.eval_weights()) == 3 and not quiet.eval_weights()  # 5, 10, 11
+    seen = evaluating.train_weights()
+    assert len(seen) == 11
+    assert all(torch.equal(w, v) for w, v in zip(seen, quiet.train_weights(), strict=True))
+    for a, b in zip(evaluated, silent, strict=True):
+        assert_same(a, b)
+
+
 def test_trainer_evaluates_the_model_average_of_samples(tmp_path):
     model = MLP()
     optimizer = additive()(model.parameters())

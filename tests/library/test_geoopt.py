@@ -16,7 +16,10 @@ learning rates for which the same Euclidean optimizer leaves the positive orthan
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import geoopt
 import pytest
@@ -218,3 +221,12 @@ def test_huge_steps_stay_on_manifold(group: LieGroup, dtype: torch.dtype) -> Non
     else:
         loss = log_cosh(target)
     run(group, start, loss, lambda ps: geoopt.optim.RiemannianSGD(ps, lr=1e3), 4)
+
+
+def test_importing_the_library_raises_no_warning_where_warnings_are_errors() -> None:
+    """geoopt decorates with ``torch.jit.script``, deprecated in torch: ``import liegroup_blr``
+    under ``python -W error`` (a strict pytest configuration) must not fail on it."""
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-W", "error", "-c", "import liegroup_blr"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr.splitlines()[-1:]

@@ -134,6 +134,7 @@ def test_antithetic_pairs_lower_the_variance_of_location_gradients():
             momentum=0.0,
             scale_momentum=0.0,
             base=Normal(0.0, 1.0),
+            data_size=None,
             temperature=0.0,
             mc_samples=2,
             antithetic=antithetic,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import math
+import typing
+import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -95,7 +99,7 @@ def test_multiplicative_dirac_one_no_momentum_is_closed_form_update():
     model, x, y = make_problem()
     lr = 0.5
     opt = lgb.MultiplicativeBLR(
-        model.parameters(), lr=lr, momentum=0.0, base=Dirac(1.0), temperature=0.0
+        model.parameters(), lr=lr, momentum=0.0, base=Dirac(1.0), data_size=None, temperature=0.0
     )
     params = list(model.parameters())
     g_plus = [opt.group_element(p)["g+"] for p in params]
@@ -221,6 +225,7 @@ def test_generic_per_component_factors_scale_the_algebra_gradient():
             momentum=0.5,
             scale_momentum=0.5,
             base=Normal(0.0, 0.1),
+            data_size=None,
             temperature=0.0,
         ),
         DiagonalAffineGroup(),
@@ -358,6 +363,7 @@ INVALID = [
     ("data_size", dict(data_size=-5)),
     ("temperature", dict(temperature=-1.0)),
     ("prior_precision", dict(prior_precision=-0.1)),
+    ("weight_decay", dict(weight_decay=-0.1)),
     ("point_estimate", dict(point_estimate="median")),
 ]
 FACTORIES = {
@@ -419,6 +425,76 @@ def test_invalid_param_group_hyperparameter_raises():
 def test_additive_without_data_size_is_fine_when_n_is_unused():
     opt = lgb.AdditiveBLR([nn.Parameter(torch.zeros(3))], lr=0.1, temperature=1.0)
     assert opt.param_groups[0]["data_size"] is None
+
+
+@pytest.mark.parametrize("kind", ["multiplicative", "affine"])
+def test_data_size_is_required_where_the_default_temperature_divides_by_it(kind):
+    """τ = 1 by default, so N has no default: keyword-only and required (``None`` is an
+    answer where τ = δ = 0)."""
+    cls = {"multiplicative": lgb.MultiplicativeBLR, "affine": lgb.AffineBLR}[kind]
+    data_size = inspect.signature(cls).parameters["data_size"]
+    assert data_size.kind is inspect.Parameter.KEYWORD_ONLY
+    assert data_size.default is inspect.Parameter.empty
+    rates = {"lr": 0.1, "scale_lr": 0.1} if kind == "affine" else {"lr": 0.1}
+    with pytest.raises(TypeError, match="data_size"):
+        cls([nn.Parameter(torch.ones(3))], **rates)  # type: ignore[call-arg]
+    opt = cls([nn.Parameter(torch.ones(3))], **rates, data_size=None, temperature=0.0)
+    assert opt.param_groups[0]["data_size"] is None
+
+
+def _no_gradient(opt, model, x, y):
+    opt.step(lambda: 1.0)
+
+
+def _non_finite(opt, model, x, y):
+    opt.step(lambda: closure_for(opt, model, x, y)() * math.nan)
+
+
+def _non_finite_scheduled(opt, model, x, y):
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps step()
+    opt.step(lambda: closure_for(opt, model, x, y)() * math.nan)
+
+
+def _frozen_left_out(opt, model, x, y):
+    model[0].bias.requires_grad_(False)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2), requires_grad=False)]})
+    opt.posterior()
+
+
+def _no_noise_state(opt, model, x, y):
+    state = opt.state_dict()
+    del state["rng"]
+    opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("trigger", "words"),
+    [
+        (_no_gradient, "no trained parameter has a gradient"),
+        (_non_finite, "non-finite"),
+        (_non_finite_scheduled, "non-finite"),
+        (_frozen_left_out, "without optimizer state"),
+        (_no_noise_state, "no noise state"),
+    ],
+)
+def test_every_warning_points_at_the_users_line(trigger, words):
+    """As torch's warnings do: the file and line of the call into the optimizer."""
+    model, x, y = make_problem()
+    opt = lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.01, data_size=10, seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trigger(opt, model, x, y)
+    said = [w for w in caught if words in str(w.message)]
+    assert said and all(w.filename == __file__ for w in said), [w.filename for w in said]
+
+
+def test_step_is_typed_as_torch_optim_types_it():
+    """Overloads as torch.optim's stubs: no closure gives None, a closure its own type."""
+    first, second = (typing.get_type_hints(f) for f in typing.get_overloads(lgb.AffineBLR.step))
+    assert first == {"closure": type(None), "return": type(None)}
+    loss = second["return"]
+    assert isinstance(loss, typing.TypeVar) and second["closure"] == Callable[[], loss]
+    assert typing.get_type_hints(lgb.AffineBLR.step)["return"] == loss | None
 
 
 @pytest.mark.parametrize("kind", ["multiplicative", "affine", "generic"])

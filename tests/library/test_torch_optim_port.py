@@ -14,9 +14,11 @@ reject complex parameters), ``maximize``, ``foreach``/``fused``/``capturable`` v
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import math
 import pickle
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -381,7 +383,12 @@ def _one_step(kind, groups: Callable[[Quadratic], list[dict[str, Any]]], **kw):
 
 @pytest.mark.parametrize(
     ("key", "value", "default"),
-    [("lr", 0.03, 0.01), ("prior_precision", 50.0, 0.0), ("momentum", 0.9, 0.5)],
+    [
+        ("lr", 0.03, 0.01),
+        ("prior_precision", 50.0, 0.0),
+        ("momentum", 0.9, 0.5),
+        ("weight_decay", 0.5, 0.0),
+    ],
 )
 @pytest.mark.parametrize("kind", KINDS)
 def test_param_group_hyperparameters_are_its_own(kind, key, value, default):
@@ -398,6 +405,17 @@ def test_param_group_hyperparameters_are_its_own(kind, key, value, default):
     assert torch.equal(mixed.weight, low.weight)
     assert torch.equal(mixed.bias, high.bias)
     assert not torch.equal(low.bias, high.bias)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weight_decay_is_the_prior_of_precision_weight_decay_times_data_size(kind):
+    """``weight_decay=w`` (constructor or param-group key) adds w·θ to each sample's
+    gradient: the prior N(0, 1/(wN)), the same step as ``prior_precision=wN``."""
+    decayed = _one_step(kind, lambda m: list(m.parameters()), weight_decay=0.5)
+    prior = _one_step(kind, lambda m: list(m.parameters()), prior_precision=0.5 * 100)
+    plain = _one_step(kind, lambda m: list(m.parameters()))
+    assert_equal([*decayed.parameters()], [*prior.parameters()])
+    assert not torch.equal(decayed.weight, plain.weight)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -997,6 +1015,52 @@ def test_max_consecutive_skips_raises_after_k_skips_and_every_skip_warns(kind):
     with pytest.warns(RuntimeWarning, match="2 in a row"), pytest.raises(FloatingPointError):
         opt.step(bad)
     assert opt.skipped_steps == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_empty_state_a_closure_that_computes_nothing_is_refused_naming_both_fixes(kind):
+    """torch's ``test_non_empty_state``: a backward at the point estimate, then
+    ``step(lambda: 1.0)``. The gradients are not a sample's, and the closure computed none:
+    refused, saying so; with ``between_steps="sample"`` they are the held sample's."""
+    model, opt = setup(kind)
+    model().backward()
+    before = snapshot(opt, model)
+    with pytest.raises(RuntimeError) as refused:
+        opt.step(lambda: 1.0)
+    message = str(refused.value)
+    assert "the closure computed none" in message and "added to them" not in message
+    assert "computes the loss" in message and "between_steps='sample'" in message
+    assert_equal(snapshot(opt, model), before)
+    model, opt = setup(kind, between_steps="sample")
+    model().backward()
+    assert opt.step(lambda: 1.0) == 1.0
+    assert all(opt.state[p] for p in model.parameters())
+
+
+def test_the_multiplicative_default_init_says_once_that_it_rewrote_the_weights():
+    """The default ``init`` rewrites the weights: one warning at the user's line, and the
+    class docstring's opening says so and names ``init="keep"``; an explicit ``init`` gives
+    the same elements without it, and a model it keeps is not warned of."""
+    lead = inspect.getdoc(lgb.MultiplicativeBLR).split("\n\n")[1]  # type: ignore[union-attr]
+    assert "rewrites the" in lead and 'init="keep"' in lead
+    elements = {}
+    for init in (None, "auto", "keep"):
+        model = Quadratic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = multiplicative(model.parameters(), init=init)
+            opt.step(closure_for(opt, model))
+        said = [w for w in caught if "init='keep'" in str(w.message)]
+        assert len(said) == (init is None), init
+        assert all(w.category is UserWarning and w.filename == __file__ for w in said)
+        elements[init] = snapshot(opt, model)
+    assert_equal(elements["auto"], elements[None])
+    constant = nn.Linear(3, 2)
+    nn.init.constant_(constant.weight, 0.3)
+    nn.init.zeros_(constant.bias)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lgb.MultiplicativeBLR(constant.parameters(), lr=0.01, data_size=100)
 
 
 def test_multiplicative_init_keep_keeps_the_weights_reference_rewrites_them():

@@ -173,6 +173,41 @@ def test_a_posteriors_sample_held_in_the_model_is_no_write_under_compile(kind):
     assert_equal(runs[1], runs[0])
 
 
+def _in_point_estimate(opt, model, x, y):
+    with opt.point_estimate():
+        model(x)
+
+
+def _in_sampled_params(opt, model, x, y):
+    with opt.sampled_params():
+        model(x)
+
+
+ADOPTING_CALLS = {
+    "step": lambda opt, model, x, y: opt.step(closure_for(opt, model, x, y)),
+    "point_estimate": _in_point_estimate,
+    "sampled_params": _in_sampled_params,
+    "restore": lambda opt, *_: opt.restore(),
+    "posterior": lambda opt, *_: opt.posterior(),
+    "state_dict": lambda opt, *_: opt.state_dict(),
+    "group_element": lambda opt, model, *_: opt.group_element(model[0].weight),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("call", ADOPTING_CALLS)
+def test_the_write_warning_points_at_the_users_line(call, mode):
+    """Whichever call finds the write, the warning names the user's file, not base.py."""
+    model, x, y = make_problem()
+    opt = FACTORIES["affine"](model.parameters(), seed=0, between_steps=mode)
+    model.load_state_dict(other_weights(model))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ADOPTING_CALLS[call](opt, model, x, y)
+    said = [w for w in caught if WRITTEN in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [w.filename for w in said]
+
+
 def test_point_estimate_mean_divides_by_the_base_mean():
     model, _, _ = make_problem()
     opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10, point_estimate="mean")
@@ -283,3 +318,65 @@ def test_a_closure_that_makes_no_gradient_is_warned_once():
         for _ in range(9):
             opt.step(forgetful)
     assert_equal(snapshot(opt, model), before)
+
+
+RULES = ["additive", "multiplicative", "affine"]
+
+
+def held(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def stepped(kind: str):
+    """A sample-mode optimizer after one step: its parameters hold the next training sample."""
+    model, x, y = make_problem()
+    opt = FACTORIES[kind](model.parameters(), seed=0, between_steps="sample")
+    plain_step(opt, model, x, y)
+    return model, opt, x, y
+
+
+def assert_values(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("where", ["before", "inside"])
+@pytest.mark.parametrize("kind", RULES)
+def test_a_sample_drawn_again_inside_point_estimate_is_held_after_it(kind, where):
+    """``restore()`` (before or inside the block), then ``load_state_dict(state_dict())``
+    inside ``point_estimate()``, as BLRTrainer's callback does in an evaluation during
+    training: the block holds the point estimate to its end; after it the parameters hold
+    the training sample drawn again, and train on, as had the block not been entered. The
+    old main put back what the block found at its start (after ``restore()``: the point
+    estimate, taken for the optimizer's own write) and held the sample inside it."""
+    reference, twin, x, y = stepped(kind)
+    twin.restore()
+    twin.load_state_dict(twin.state_dict())
+    sample, points = held(reference), point_of(twin, reference)
+    assert not any(torch.equal(a, b) for a, b in zip(sample, points, strict=True))
+    model, opt, _, _ = stepped(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no write taken for an outside one
+        if where == "before":
+            opt.restore()
+        with opt.point_estimate():
+            if where == "inside":
+                opt.restore()
+            opt.load_state_dict(opt.state_dict())
+            assert_values(held(model), points)
+        assert_values(held(model), sample)
+        plain_step(opt, model, x, y)
+        plain_step(twin, reference, x, y)
+    assert_equal(snapshot(opt, model), snapshot(twin, reference))
+
+
+@pytest.mark.parametrize("kind", RULES)
+def test_restore_inside_point_estimate_leaves_the_point_estimate_after_it(kind):
+    """``restore()`` inside the block: after it the parameters hold the point estimate, and a
+    closure-free step refuses (no training sample); the old main put the sample back."""
+    model, opt, x, y = stepped(kind)
+    points = point_of(opt, model)
+    with opt.point_estimate():
+        opt.restore()
+    assert_values(held(model), points)
+    with pytest.raises(RuntimeError, match=r"after restore\(\)"):
+        plain_step(opt, model, x, y)
