@@ -219,7 +219,7 @@ def sample_each(
     Common families use torch's in-place samplers with ``generator``, one kernel and no
     allocation (Rayleigh by its inverse CDF σ√(−2 log(1 − U)), far cheaper than
     ``exponential_``); Student-t with an integer ν ≤ 32 as a normal over the root of a χ²
-    built from normals and uniforms (:func:`_student_t_into`); other families with an
+    built from normals and uniforms (``_student_t_into``); other families with an
     ``icdf`` transform uniforms from ``generator``; a family with neither is drawn by its own
     ``sample`` under a global RNG seeded from ``generator`` and then restored, so every draw
     is reproducible from ``generator``'s state.

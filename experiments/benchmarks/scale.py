@@ -17,19 +17,25 @@ Everything is measured in one run and printed as ratios:
 5. Optimizer state bytes per model parameter, and peak training memory against SGD (each
    measured in a fresh process).
 
-Run: ``python -m experiments.benchmarks.scale [--quick]``.
+Run: ``python -m experiments.benchmarks.scale [--quick] [--parts 1 2 3 4 5] [--device cuda]``.
+A line after every measurement gives the time elapsed and the time left. ``--device cuda``
+runs parts 1 to 3 on the GPU (parts 4 and 5 measure CPU processes and memory: left out).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import functools
 import itertools
+import json
 import os
 import resource
 import statistics
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,28 +44,42 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
-from experiments.benchmarks.step_time import RULES, mean_time
+from experiments.benchmarks.step_time import RULES, Countdown, mean_time
 from experiments.models import MLP, ResNet
 
 LOSS = nn.functional.cross_entropy
 
 
-def problem(name: str) -> tuple[nn.Module, Tensor, Tensor]:
+def problem(name: str, device: str = "cpu", batch: int = 0) -> tuple[nn.Module, Tensor, Tensor]:
+    """The model and a batch (default: 50 for the MLP, 200 for ResNet-20) on ``device``."""
     torch.manual_seed(0)
+    model: nn.Module
     if name == "mlp":
-        return MLP((1, 28, 28), 10), torch.randn(50, 1, 28, 28), torch.randint(0, 10, (50,))
-    return ResNet((3, 32, 32), 10), torch.randn(200, 3, 32, 32), torch.randint(0, 10, (200,))
+        model, shape, batch = MLP((1, 28, 28), 10), (1, 28, 28), batch or 50
+    else:
+        model, shape, batch = ResNet((3, 32, 32), 10), (3, 32, 32), batch or 200
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+    return model.to(device), x.to(device), y.to(device)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], steps: int, rounds: int) -> dict[str, float]:
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    steps: int,
+    rounds: int,
+    done: Callable[[int, str], None] = lambda r, name: None,
+) -> dict[str, float]:
     """Median over rounds of the mean seconds per call of each callable, all timed in turn
-    in every round (a drifting machine affects them alike); one warm-up call each first."""
-    for fn in fns.values():
+    in every round (a drifting machine affects them alike); one warm-up call each first.
+    ``done(r, name)`` hears of each warm-up call (r = 0) and of every round r = 1, 2, ...
+    ended (name "")."""
+    for name, fn in fns.items():
         fn()
+        done(0, name)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, fn in fns.items():
             times[name].append(mean_time(fn, steps))
+        done(r + 1, "")
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -85,10 +105,32 @@ def blr_step(opt: lgb.optim.BLROptimizer, model: nn.Module, x: Tensor, y: Tensor
     return lambda: lgb.mc_step(opt, model, LOSS, x, y, **kw)
 
 
+@dataclasses.dataclass
+class Setup:
+    """What every part is run with: ``rounds`` interleaved, ``quick`` (a smoke run),
+    ``device``, part 3's ``models``, and the ``countdown`` told of every measurement."""
+
+    rounds: int
+    quick: bool
+    device: str
+    models: list[str]
+    countdown: Countdown
+
+    def tick(self, part: int, what: str, units: float) -> None:
+        """``what`` of ``part`` is done: ``units`` of the part's :func:`cost`."""
+        self.countdown.tick(f"part {part}{what and ', '}{what}", units, kind=str(part))
+
+
+MCS = {False: (1, 8, 32), True: (1, 8)}
+"""Part 1's sample counts, in full and quick runs."""
+COMPILE_S = 25.0
+"""Seconds of compiling one optimizer's step, roughly (part 3's cost in the time left)."""
+
+
 # ------------------------------------------------------------------------------ parts
-def mc_samples(rounds: int, quick: bool) -> None:
+def mc_samples(s: Setup) -> None:
     print("\n== 1. MC samples on the MLP at batch 50 (additive): ms per step, speed-up ==")
-    model, x, y = problem("mlp")
+    model, x, y = problem("mlp", s.device)
     configs: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         "sequential fresh": ({}, {}),
         "sequential table": ({"noise": "table"}, {}),
@@ -96,62 +138,126 @@ def mc_samples(rounds: int, quick: bool) -> None:
         "antithetic table": ({"noise": "table", "antithetic": True}, {}),
         "vectorised fresh": ({}, {"vectorize": True}),
     }
-    print(f"{'configuration':<20}" + "".join(f"{'mc ' + str(s):>18}" for s in (1, 8, 32)))
+    mcs = MCS[s.quick]
+    print(f"{'configuration':<20}" + "".join(f"{'mc ' + str(m):>18}" for m in mcs))
     rows: dict[str, list[float]] = {name: [] for name in configs}
-    for mc in (1, 8, 32):
-        steps = 2 if quick or mc == 32 else 5
+    for mc in mcs:
+        steps = _mc_steps(mc, s.quick)
         for name, (options, call) in configs.items():
             twin = copy.deepcopy(model)
             opt = lgb.AdditiveBLR(twin.parameters(), lr=1e-3, mc_samples=mc, **options)
-            rows[name].append(seconds(blr_step(opt, twin, x, y, **call), steps, rounds))
+            rows[name].append(seconds(blr_step(opt, twin, x, y, **call), steps, s.rounds))
+            s.tick(1, f"mc {mc}, {name}", _mc_cost(mc, s))
     for name, times in rows.items():
         cells = "".join(
             f"{t * 1e3:>10.1f} ×{rows['sequential fresh'][i] / t:>5.2f}"
             for i, t in enumerate(times)
         )
         print(f"{name:<20}{cells}")
-    best = min(rows[k][2] for k in configs if k != "vectorised fresh")
+    best = min(rows[k][-1] for k in configs if k != "vectorised fresh")
     print(
-        f"mc 32: fastest base-preserving configuration ×{rows['sequential fresh'][2] / best:.2f}"
-        " the sequential fresh loop (target ≥ 1.5)"
+        f"mc {mcs[-1]}: fastest base-preserving configuration "
+        f"×{rows['sequential fresh'][-1] / best:.2f} the sequential fresh loop "
+        "(target at mc 32 ≥ 1.5)"
     )
 
 
-def draw_cost(rounds: int) -> None:
+def _mc_steps(mc: int, quick: bool) -> int:
+    return 2 if quick or mc == 32 else 5
+
+
+def _mc_cost(mc: int, s: Setup) -> float:
+    """Part 1's seconds per configuration at ``mc`` samples, roughly (see :func:`cost`)."""
+    return (1 + s.rounds * _mc_steps(mc, s.quick)) * (mc + 2) * 0.02
+
+
+def draw_cost(s: Setup) -> None:
     print("\n== 2. One noise draw over the MLP's parameters ==")
-    model, _, _ = problem("mlp")
+    model, _, _ = problem("mlp", s.device)
     params = [p.detach().clone() for p in model.parameters()]
-    table = lgb.noise.NoiseTable(torch.distributions.Normal(0.0, 1.0), 2**24, seed=0)
+    table = lgb.noise.NoiseTable(
+        torch.distributions.Normal(0.0, 1.0), 2**24, seed=0, device=s.device
+    )
     offsets = iter(range(10**9))
-    fresh = seconds(lambda: [p.normal_() for p in params], 10, rounds)
-    cheap = seconds(lambda: [table.fill_(p, next(offsets) * 7919) for p in params], 10, rounds)
+    fresh = seconds(lambda: [p.normal_() for p in params], 10, s.rounds)
+    cheap = seconds(lambda: [table.fill_(p, next(offsets) * 7919) for p in params], 10, s.rounds)
+    s.tick(2, "", 1.0)
     print(
         f"fresh normal_ {fresh * 1e3:.2f} ms, table {cheap * 1e3:.2f} ms: "
         f"{cheap / fresh:.1%} of a fresh draw (target ≤ 25%)"
     )
 
 
-def full_steps(rounds: int, quick: bool) -> None:
+TARGETS: dict[str, tuple[str, dict[str, float]]] = {
+    "resnet20": ("fresh", {"additive": 1.15, "multiplicative": 1.3, "affine": 1.3}),
+    "mlp": ("table", {"additive": 1.3, "multiplicative": 1.5, "affine": 1.5}),
+}
+"""Part 3's models: their noise and each rule's target full step ÷ SGD's."""
+
+
+def full_steps(s: Setup) -> dict[str, dict[str, float]]:
+    """Part 3; returns per model SGD's milliseconds and every "RULE, MODE" ÷ SGD."""
     print("\n== 3. Full step at mc = 1 against torch.optim.SGD(momentum), interleaved ==")
-    for name, noise, targets in (
-        ("resnet20", "fresh", {"additive": 1.15, "multiplicative": 1.3, "affine": 1.3}),
-        ("mlp", "table", {"additive": 1.3, "multiplicative": 1.5, "affine": 1.5}),
-    ):
-        model, x, y = problem(name)
-        steps = 2 if quick or name == "resnet20" else 10
-        twin = copy.deepcopy(model)
-        fns = {"sgd": sgd_step(sgd(twin), twin, x, y)}
-        for rule, (mode, options) in itertools.product(targets, MODES.items()):
-            twin = copy.deepcopy(model)
-            opt = RULES[rule](twin.parameters(), noise=noise, **options)
-            step = sgd_step if "sample" in mode else blr_step  # backward, then step()
-            fns[f"{rule}, {mode}"] = step(opt, twin, x, y)
-        t = interleaved(fns, steps, rounds)
-        print(f"{name} (noise {noise}): SGD {t['sgd'] * 1e3:.1f} ms")
+    out = {}
+    for name in s.models:
+        noise, targets = TARGETS[name]
+        fns, batch = _step_fns(name, s)
+        tick = functools.partial(_tick_part_3, s, name)
+        t = interleaved(fns, _full_steps(name, s.quick), s.rounds, tick)
+        print(f"{name} (noise {noise}, batch {batch}): SGD {t['sgd'] * 1e3:.1f} ms")
+        out[name] = {"sgd ms": t["sgd"] * 1e3}
         for rule, target in targets.items():
-            ratios = {mode: t[f"{rule}, {mode}"] / t["sgd"] for mode in MODES}
+            ratios = {mode: t[f"{rule}, {mode}"] / t["sgd"] for mode in _modes(s.quick)}
+            out[name] |= {f"{rule}, {mode}": ratio for mode, ratio in ratios.items()}
             cells = [f"{mode} ×{ratio:.2f}" for mode, ratio in ratios.items()]
             print(f"  {rule:<16}{'   '.join(cells)}   (target ≤ {target})")
+    return out
+
+
+def _step_fns(name: str, s: Setup) -> tuple[dict[str, Callable[[], object]], int]:
+    """Part 3's steps on ``name``: SGD's and each "RULE, MODE"; and the batch size."""
+    noise, targets = TARGETS[name]
+    model, x, y = problem(name, s.device, batch=_batch(name, s.quick))
+    twin = copy.deepcopy(model)
+    fns = {"sgd": sgd_step(sgd(twin), twin, x, y)}
+    for rule, (mode, options) in itertools.product(targets, _modes(s.quick).items()):
+        twin = copy.deepcopy(model)
+        opt = RULES[rule](twin.parameters(), noise=noise, **options)
+        step = sgd_step if "sample" in mode else blr_step  # backward, then step()
+        fns[f"{rule}, {mode}"] = step(opt, twin, x, y)
+    return fns, len(y)
+
+
+def _tick_part_3(s: Setup, model: str, r: int, name: str) -> None:
+    """Part 3 on ``model`` has warmed up step ``name`` (r = 0) or ended round r."""
+    call, per_round = _full_cost(model, s)
+    if r:
+        s.tick(3, f"{model}, round {r}/{s.rounds}", per_round)
+    else:
+        s.tick(3, f"{model}, warm-up, {name}", call + COMPILE_S * ("compiled" in name))
+
+
+def _batch(name: str, quick: bool) -> int:
+    """Part 3's batch: 0 for the problem's own, 20 for ResNet-20 in a quick run."""
+    return 20 if quick and name == "resnet20" else 0
+
+
+def _full_steps(name: str, quick: bool) -> int:
+    return 2 if quick or name == "resnet20" else 10
+
+
+def _full_cost(name: str, s: Setup) -> tuple[float, float]:
+    """Part 3's seconds for ``name``, roughly (see :func:`cost`): of one step, and of each
+    round. A step of ResNet-20 takes about 12 ms per example, one of the MLP 20 ms; the
+    warm-up takes a step of each and compiles each compiled one."""
+    call = 0.012 * (_batch(name, s.quick) or 200) if name == "resnet20" else 0.02
+    return call, (1 + 3 * len(_modes(s.quick))) * call * _full_steps(name, s.quick)
+
+
+def _warm_up_cost(name: str, s: Setup) -> float:
+    modes = _modes(s.quick).values()
+    call = _full_cost(name, s)[0]
+    return (1 + 3 * len(modes)) * call + 3 * COMPILE_S * sum("compile" in o for o in modes)
 
 
 MODES: dict[str, dict[str, Any]] = {
@@ -162,6 +268,11 @@ MODES: dict[str, dict[str, Any]] = {
 }
 """Eager and compiled steps, with a closure (point mode) and on p.grad (sample mode: the
 compiled update draws the next sample)."""
+
+
+def _modes(quick: bool) -> dict[str, dict[str, Any]]:
+    """:data:`MODES`; a quick run leaves out the compiled ones (minutes of compiling)."""
+    return {m: o for m, o in MODES.items() if not (quick and o.get("compile"))}
 
 
 def _process(rank: int, world: int, folder: str, mc: int, steps: int, out: str) -> None:
@@ -179,14 +290,15 @@ def _process(rank: int, world: int, folder: str, mc: int, steps: int, out: str) 
         dist.destroy_process_group()
 
 
-def processes(quick: bool) -> None:
+def processes(s: Setup) -> None:
     print("\n== 4. MC-sample parallelism over processes (MLP, mc = 8, additive) ==")
     times = {}
     with tempfile.TemporaryDirectory() as folder:
         for world in (1, 2):
             out = os.path.join(folder, f"t{world}.pt")
-            mp.spawn(_process, args=(world, folder, 8, 2 if quick else 4, out), nprocs=world)
+            mp.spawn(_process, args=(world, folder, 8, 2 if s.quick else 4, out), nprocs=world)
             times[world] = torch.load(out)
+            s.tick(4, f"{world} process{'es' if world > 1 else ''}", 12.0)
     print(
         f"1 process {times[1] * 1e3:.1f} ms, 2 processes {times[2] * 1e3:.1f} ms per step: "
         f"×{times[1] / times[2]:.2f} (2 cores shared by both)"
@@ -222,7 +334,7 @@ def _memory(name: str, steps: int, queue: mp.Queue) -> None:
     queue.put((name, state / n_params, peak))
 
 
-def memory() -> None:
+def memory(s: Setup) -> None:
     print("\n== 5. Memory (MLP, batch 50, mc 1) ==")
     ctx = mp.get_context("spawn")
     queue: mp.Queue = ctx.Queue()
@@ -233,6 +345,7 @@ def memory() -> None:
         proc.join()
         rule, per_param, peak = queue.get()
         results[rule] = (per_param, peak)
+        s.tick(5, rule, 7.0)
     sgd_peak = max(results["sgd"][1], 1)
     for rule, (per_param, peak) in results.items():
         print(
@@ -241,26 +354,72 @@ def memory() -> None:
         )
 
 
-def main() -> None:
+PARTS: dict[int, Callable[[Setup], object]] = {
+    1: mc_samples,
+    2: draw_cost,
+    3: full_steps,
+    4: processes,
+    5: memory,
+}
+CPU_ONLY = (4, 5)
+"""Parts that start processes to measure CPU processes and resident memory: not run with
+``--device cuda``, nor by default with ``--quick``."""
+
+
+def cost(part: int, s: Setup) -> float:
+    """The seconds ``part`` takes on the project's 2-core CPU machine with one thread,
+    roughly, as its measurements tick them off: the countdown's weights, which it rescales
+    by the speed it sees."""
+    return {
+        1: 5 * sum(_mc_cost(mc, s) for mc in MCS[s.quick]),
+        2: 1.0,
+        3: sum(_warm_up_cost(n, s) + s.rounds * _full_cost(n, s)[1] for n in s.models),
+        4: 24.0,
+        5: 7.0 * (1 + len(RULES)),
+    }[part]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.benchmarks.scale", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.benchmarks.scale",
+        description=__doc__.split("\n\n")[0],
+        epilog=DURATIONS,
     )
-    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--parts", nargs="+", type=int, default=[1, 2, 3, 4, 5], choices=[1, 2, 3, 4, 5]
+        "--quick",
+        action="store_true",
+        help="a smoke run: one round, fewer steps and samples, ResNet-20 at batch 20, one "
+        "thread, nothing compiled, parts 1 to 3 unless --parts names others",
     )
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    parts = {
-        1: lambda: mc_samples(args.rounds, args.quick),
-        2: lambda: draw_cost(args.rounds),
-        3: lambda: full_steps(args.rounds, args.quick),
-        4: lambda: processes(args.quick),
-        5: memory,
-    }
-    for part in args.parts:
-        parts[part]()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", type=int, choices=list(PARTS), help="default: all")
+    parser.add_argument(
+        "--models", nargs="+", default=list(TARGETS), choices=list(TARGETS), help="part 3's"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--json", type=Path, help="also write part 3's ratios to this JSON file")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device; run on a GPU machine")
+    asked = args.parts or [p for p in PARTS if not (args.quick and p in CPU_ONLY)]
+    parts = [p for p in asked if args.device == "cpu" or p not in CPU_ONLY]
+    rounds = 1 if args.quick else args.rounds
+    if args.quick:
+        torch.set_num_threads(1)  # a loaded machine's spare threads spin, many times slower
+    s = Setup(rounds, args.quick, args.device, args.models, Countdown("scale", {}))
+    s.countdown = Countdown("scale", {str(p): cost(p, s) for p in parts})
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}")
+    if skipped := sorted(set(asked) - set(parts)):
+        print(f"parts {skipped} measure the CPU: left out with --device cuda")
+    results = {p: PARTS[p](s) for p in parts}
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "part 3": results.get(3)}))
+
+
+DURATIONS = (
+    "Duration on the project's 2-core CPU machine, one thread, under load: about 32 min in "
+    "full (an estimate; part 3 most of it), 41 s with --quick."
+)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,14 @@ and interleaved:
 * two floors of the multiplicative update: its compiled kernel alone (one sample, no
   engine around it), and ``torch.exp2`` alone over its 2P values;
 * the generic autodiff rule on the diagonal affine group against the specialised
-  :class:`~liegroup_blr.AffineBLR` (also on the 64-16-10 MLP of the 8×8 digits).
+  :class:`~liegroup_blr.AffineBLR` (also on the 64-16-10 MLP of the 8×8 digits);
+* the affine rule with a Student-t base (``student-t``, 3 degrees of freedom) against its
+  Gaussian base;
+* the compiled updates' achieved memory bandwidth (bytes the update must read and write:
+  its state twice, the parameters twice and the gradients once) against the card's peak.
 
-Run: ``python -m experiments.benchmarks.step_time [--rounds 7] [--steps 10]``.
+Run: ``python -m experiments.benchmarks.step_time [--rounds 7] [--steps 10] [--quick]
+[--device cuda]``. A line after every round gives the time elapsed and the time left.
 Numbers are medians over rounds of the mean time per call; ratios come from one run.
 """
 
@@ -22,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ivon
@@ -34,6 +42,7 @@ from torch import Tensor, nn
 
 import liegroup_blr as lgb
 from experiments.models import CNN, MLP
+from experiments.progress import duration
 from liegroup_blr.optim.kernel_utils import compiled, rows
 from liegroup_blr.optim.multiplicative import multiplicative_update
 
@@ -42,18 +51,63 @@ DATA_SIZE = 60_000
 RULES: dict[str, Callable[..., lgb.optim.BLROptimizer]] = {
     "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=1e-3, **kw),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=1e-3, data_size=DATA_SIZE, temperature=0.006, **kw
+        ps, lr=1e-3, data_size=DATA_SIZE, temperature=0.006, init="auto", **kw
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=1e-3, scale_lr=1e-5, data_size=DATA_SIZE, **kw),
 }
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work (nothing on a CPU run)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def mean_time(fn: Callable[[], object], steps: int) -> float:
-    """Mean seconds per call of ``fn`` over ``steps`` calls."""
+    """Mean seconds per call of ``fn`` over ``steps`` calls (a GPU's work included)."""
+    synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         fn()
+    synchronize()
     return (time.perf_counter() - start) / steps
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn`` (a GPU's work included)."""
+    return mean_time(fn, 1)
+
+
+class Countdown:
+    """Prints ``[PROG] WHAT: E elapsed, about L left`` after each piece of work of a plan of
+    ``totals`` units per kind of work: L is Σ over the kinds of their seconds per unit so far
+    (a kind not begun: all the work's) times their units left."""
+
+    def __init__(
+        self, prog: str, totals: dict[str, float], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.prog, self.totals, self.clock = prog, totals, clock
+        self.done = dict.fromkeys(totals, 0.0)
+        self.seconds = dict.fromkeys(totals, 0.0)
+        self.begun = self.mark = clock()
+
+    def tick(self, what: str, units: float = 1.0, kind: str = "") -> str:
+        """``units`` more of ``kind`` are done (the last: ``what``); prints and returns the
+        line."""
+        now = self.clock()
+        self.done[kind] += units
+        self.seconds[kind] += now - self.mark
+        self.mark = now
+        overall = sum(self.seconds.values()) / sum(self.done.values())
+        left = sum(
+            (self.seconds[k] / self.done[k] if self.done[k] else overall)
+            * max(self.totals[k] - self.done[k], 0.0)
+            for k in self.totals
+        )
+        elapsed = duration(now - self.begun)
+        line = f"[{self.prog}] {what}: {elapsed} elapsed, about {duration(left)} left"
+        print(line, flush=True)
+        return line
 
 
 def _generic_affine(ps: list[Tensor], **kw: Any) -> torch.optim.Optimizer:
@@ -66,7 +120,12 @@ def _generic_affine(ps: list[Tensor], **kw: Any) -> torch.optim.Optimizer:
     )
 
 
-def _model(name: str) -> tuple[nn.Module, Tensor, Tensor]:
+def _student_t_affine(ps: list[Tensor], **kw: Any) -> torch.optim.Optimizer:
+    """The affine rule with a Student-t base of the Gaussian's scale (3 degrees of freedom)."""
+    return RULES["affine"](ps, base=lgb.distributions.from_name("student-t", 0.005), **kw)
+
+
+def _model(name: str, device: str = "cpu") -> tuple[nn.Module, Tensor, Tensor]:
     torch.manual_seed(0)
     model: nn.Module
     if name == "mlp":
@@ -75,21 +134,26 @@ def _model(name: str) -> tuple[nn.Module, Tensor, Tensor]:
         model, shape = MLP((1, 8, 8), 10, widths=(16,)), (1, 8, 8)
     else:
         model, shape = CNN((3, 32, 32), 10, width=1), (3, 32, 32)
-    return model, torch.randn(BATCH, *shape), torch.randint(0, 10, (BATCH,))
+    x, y = torch.randn(BATCH, *shape), torch.randint(0, 10, (BATCH,))
+    return model.to(device), x.to(device), y.to(device)
 
 
-def _optimizers(model: nn.Module) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
-    """Each optimizer on its own copy of ``model`` (same initial weights)."""
-    makers: dict[str, Callable[[list[Tensor]], torch.optim.Optimizer]] = {
+def _optimizers(
+    model: nn.Module, compile: bool = True
+) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
+    """Each optimizer on its own copy of ``model`` (same initial weights); the Lie-group
+    rules also with ``compile=True`` unless ``compile`` is false."""
+    makers: dict[str, Callable[..., torch.optim.Optimizer]] = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=True),
         "ivon": lambda ps: ivon.IVON(ps, lr=1e-3, ess=DATA_SIZE),
         **RULES,
+        "affine student-t": _student_t_affine,
+        "generic affine": _generic_affine,
     }
-    for rule in RULES:  # the same rules with compile=True
-        makers[f"{rule} (compiled)"] = functools.partial(RULES[rule], compile=True)
-    makers["generic affine"] = _generic_affine
-    makers["generic affine (compiled)"] = lambda ps: _generic_affine(ps, compile=True)
+    if compile:
+        for name in [n for n in makers if n not in ("sgd", "adam", "ivon")]:
+            makers[f"{name} (compiled)"] = functools.partial(makers[name], compile=True)
     out = {}
     for name, make in makers.items():
         twin = copy.deepcopy(model)
@@ -132,26 +196,15 @@ def _arithmetic(opt: torch.optim.Optimizer) -> Callable[[], float]:
         def ivon_step() -> float:
             with opt.sampled_params(train=True):
                 pass
-            start = time.perf_counter()
-            opt.step()
-            return time.perf_counter() - start
+            return timed(opt.step)
 
         return ivon_step
     if not isinstance(opt, lgb.optim.BLROptimizer):
-
-        def torch_step() -> float:
-            start = time.perf_counter()
-            opt.step()
-            return time.perf_counter() - start
-
-        return torch_step
+        return lambda: timed(opt.step)
 
     def ours() -> float:
         sample = opt.draw(train=True)
-        start = time.perf_counter()
-        opt.accumulate(sample, defer=True)
-        opt.step()
-        return time.perf_counter() - start
+        return timed(lambda: (opt.accumulate(sample, defer=True), opt.step()))
 
     return ours
 
@@ -166,7 +219,15 @@ def _noise_draw(rule: str, params: list[Tensor]) -> Callable[[], None]:
                 b.normal_()
 
         return gaussian
-    bufs = [torch.empty((2, *p.shape)) for p in params]  # Rayleigh for g⁺ and g⁻
+    if rule == "affine student-t":  # torch's StudentT sampler (a normal over a gamma's root)
+        t = torch.distributions.StudentT(torch.tensor(3.0, device=params[0].device))
+
+        def student_t() -> None:
+            for p in params:
+                t.sample(p.shape)
+
+        return student_t
+    bufs = [torch.empty((2, *p.shape), device=p.device) for p in params]  # Rayleigh: g⁺, g⁻
 
     def inverse_cdf() -> None:
         for b in bufs:
@@ -181,18 +242,18 @@ def _noise_draw(rule: str, params: list[Tensor]) -> Callable[[], None]:
     return fastest
 
 
-def _floors(params: list[Tensor]) -> dict[str, Callable[[], None]]:
+def _floors(params: list[Tensor], compile: bool = True) -> dict[str, Callable[[], None]]:
     """The multiplicative rule's compiled update kernel alone (one sample, without the
-    engine around it: gathering, the check, the swaps), and ``torch.exp2`` over its 2P
-    values."""
+    engine around it: gathering, the check, the swaps; left out unless ``compile``), and
+    ``torch.exp2`` over its 2P values."""
     noise, momenta, elements, accs, spares = (
-        rows([torch.rand(2, *p.shape) for p in params], True) for _ in range(5)
+        rows([torch.rand(2, *p.shape, device=p.device) for p in params], True) for _ in range(5)
     )
     grads, outs = [torch.randn_like(p) for p in params], [torch.empty_like(p) for p in params]
     kernel = compiled(multiplicative_update)
     offset = -0.006 / DATA_SIZE
 
-    hp = dict(n=1, beta=0.9, lr=torch.tensor(1e-3), mean=None)
+    hp = dict(n=1, beta=0.9, lr=torch.tensor(1e-3, device=params[0].device), mean=None)
 
     def kernel_only() -> None:
         kernel(accs, momenta, elements, spares, outs, (noise, grads), offset, [], **hp)
@@ -202,74 +263,188 @@ def _floors(params: list[Tensor]) -> dict[str, Callable[[], None]]:
             for part, into in zip(m, out, strict=True):
                 torch.exp2(part, out=into)
 
-    return {"multiplicative_update kernel": kernel_only, "exp2 over 2P": exp2_only}
+    floors = {"multiplicative_update kernel": kernel_only, "exp2 over 2P": exp2_only}
+    return floors if compile else {"exp2 over 2P": exp2_only}
 
 
-def run(model_name: str, rounds: int, steps: int) -> None:
-    model, x, y = _model(model_name)
-    opts = _optimizers(model)
+def _update_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes an update must move at least: its state read and written, the parameters read
+    and written, the gradients read."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state = sum(
+        t.numel() * t.element_size()
+        for p in params
+        for t in opt.state[p].values()
+        if isinstance(t, Tensor)
+    )
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return 2 * state + 3 * weights
+
+
+def peak_bandwidth(device: str) -> dict[str, float]:
+    """The card's memory bandwidth in GB/s: ``spec`` from its clock and bus width where torch
+    reports them, ``copy`` as a 1 GiB device-to-device copy achieves it (bytes read and
+    written); nothing on a CPU."""
+    if device != "cuda":
+        return {}
+    props = torch.cuda.get_device_properties(0)
+    clock_khz, bus_bits = (getattr(props, k, 0) for k in ("memory_clock_rate", "memory_bus_width"))
+    src = torch.empty(2**28, device=device)
+    dst = torch.empty_like(src)
+    seconds = mean_time(lambda: dst.copy_(src), 10)
+    peak = {"copy": 2 * src.numel() * src.element_size() / seconds / 1e9}
+    return peak | ({"spec": 2 * clock_khz * bus_bits / 8 / 1e6} if clock_khz and bus_bits else {})
+
+
+@dataclasses.dataclass
+class Settings:
+    """``rounds`` timed after a warm-up round, ``steps`` calls per round, the ``device``,
+    whether the ``compile=True`` optimizers are timed too, and the ``countdown`` to tell."""
+
+    rounds: int
+    steps: int
+    device: str
+    compile: bool
+    countdown: Countdown
+
+
+def _measure(model_name: str, s: Settings) -> tuple[dict[str, float], dict[str, int], int]:
+    """Median milliseconds of every timing ("full:NAME", "arith:NAME", "draw:RULE",
+    "floor:NAME"), each optimizer's update bytes, and the model's parameter count."""
+    model, x, y = _model(model_name, s.device)
+    opts = _optimizers(model, s.compile)
     params: list[Tensor] = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
     full = {name: _full_step(opt, twin, x, y) for name, (twin, opt) in opts.items()}
     arithmetic = {name: _arithmetic(opt) for name, (_, opt) in opts.items()}
-    draws = {rule: _noise_draw(rule, params) for rule in ("additive", "multiplicative")}
-    draws["affine"] = draws["additive"]
-    floors = _floors(params)
+    draws = {rule: _noise_draw(rule, params) for rule in DRAWS}
+    floors = _floors(params, s.compile)
 
     times: dict[str, list[float]] = {}
-    for _ in range(rounds + 1):  # the first round warms up and is dropped
+    for r in range(s.rounds + 1):  # the first round warms up and is dropped
         for name, (twin, _) in opts.items():
-            times.setdefault(f"full:{name}", []).append(mean_time(full[name], steps))
+            times.setdefault(f"full:{name}", []).append(mean_time(full[name], s.steps))
             _set_grads(twin)
             times.setdefault(f"arith:{name}", []).append(
-                statistics.fmean(arithmetic[name]() for _ in range(steps))
+                statistics.fmean(arithmetic[name]() for _ in range(s.steps))
             )
         for rule, draw in draws.items():
-            times.setdefault(f"draw:{rule}", []).append(mean_time(draw, steps))
+            times.setdefault(f"draw:{rule}", []).append(mean_time(draw, s.steps))
         for name, floor in floors.items():
-            times.setdefault(f"floor:{name}", []).append(mean_time(floor, steps))
-    med = {k: statistics.median(v[1:]) * 1e3 for k, v in times.items()}
+            times.setdefault(f"floor:{name}", []).append(mean_time(floor, s.steps))
+        what = f"{model_name} round {r + 1}/{s.rounds + 1}" + (" (warm-up)" if r == 0 else "")
+        s.countdown.tick(what, kind="round" if r else "warm-up")
+    med = {k: statistics.median(v[1:] or v) * 1e3 for k, v in times.items()}
+    nbytes = {name: _update_bytes(opt) for name, (_, opt) in opts.items()}
+    return med, nbytes, sum(p.numel() for p in params)
 
-    print(f"\n== {model_name}: {n_params:,} parameters, batch {BATCH}, mc 1 ==")
+
+DRAWS = ("additive", "multiplicative", "affine student-t")
+"""The rules whose noise floor is drawn; the affine rule's is the additive's (Gaussian)."""
+
+
+def _draw_of(name: str) -> str | None:
+    """The key of ``DRAWS`` whose draw is optimizer ``name``'s noise floor, if any."""
+    rule = name.removesuffix(" (compiled)").removeprefix("generic ")
+    rule = "additive" if rule == "affine" else rule
+    return rule if rule in DRAWS else None
+
+
+def _report(med: dict[str, float], nbytes: dict[str, int], device: str) -> dict[str, float]:
+    """Print the table and the summary lines of one model; returns the ratios printed."""
     print(
-        f"{'optimizer':<26}{'full ms':>9}{'÷ SGD':>8}{'L ms':>8}{'÷ L':>7}{'arith ms':>10}"
-        f"{'÷ Adam':>8}"
+        f"{'optimizer':<28}{'full ms':>9}{'÷ SGD':>8}{'÷ Adam':>8}{'L ms':>8}{'÷ L':>7}"
+        f"{'arith ms':>10}{'÷ Adam':>8}"
     )
-    sgd, adam = med["full:sgd"], med["arith:adam"]
-    for name in opts:
+    sgd, adam_full, adam = med["full:sgd"], med["full:adam"], med["arith:adam"]
+    ratios: dict[str, float] = {}
+    for name in nbytes:
         f, a = med[f"full:{name}"], med[f"arith:{name}"]
-        rule = name.removesuffix(" (compiled)").removeprefix("generic ")
-        if rule in draws:
-            noise_floor = sgd + med[f"draw:{rule}"]
+        extra = f"{'':>8}{'':>7}"
+        if (draw := _draw_of(name)) is not None:
+            noise_floor = sgd + med[f"draw:{draw}"]
             extra = f"{noise_floor:>8.2f}{f / noise_floor:>7.2f}"
-        else:
-            extra = f"{'':>8}{'':>7}"
-        print(f"{name:<26}{f:>9.2f}{f / sgd:>8.2f}{extra}{a:>10.2f}{a / adam:>8.2f}")
-    for name in floors:
-        ratio = med[f"floor:{name}"] / adam
-        print(f"floor, {name}: {med[f'floor:{name}']:.2f} ms, {ratio:.2f} × Adam's step")
-    for mode in ("", " (compiled)"):
+        ratios |= {f"full ÷ SGD:{name}": f / sgd, f"full ÷ Adam:{name}": f / adam_full}
+        ratios[f"arith ÷ Adam:{name}"] = a / adam
+        print(
+            f"{name:<28}{f:>9.2f}{f / sgd:>8.2f}{f / adam_full:>8.2f}{extra}{a:>10.2f}"
+            f"{a / adam:>8.2f}"
+        )
+    for name in (n for n in med if n.startswith("floor:")):
+        ratio = med[name] / adam
+        print(f"floor, {name[6:]}: {med[name]:.2f} ms, {ratio:.2f} × Adam's step")
+    for mode in (m for m in ("", " (compiled)") if f"full:affine{m}" in med):
         ratio = med[f"full:generic affine{mode}"] / med[f"full:affine{mode}"]
         print(f"generic ÷ specialised affine rule{mode}, full step: {ratio:.2f}")
+        ratios[f"student-t ÷ gaussian affine{mode}"] = t = (
+            med[f"full:affine student-t{mode}"] / med[f"full:affine{mode}"]
+        )
+        print(f"student-t ÷ gaussian base, affine rule{mode}, full step: {t:.2f}")
+    peak = peak_bandwidth(device)
+    ratios |= {f"card GB/s:{kind}": gbs for kind, gbs in peak.items()}
+    for name in (n for n in ALL_RULES_COMPILED if n in nbytes):
+        gbs = ratios[f"GB/s:{name}"] = nbytes[name] / med[f"arith:{name}"] / 1e6
+        shares = "".join(f", {gbs / v:.1%} of the card's {k} {v:.0f} GB/s" for k, v in peak.items())
+        print(f"{name} update: {nbytes[name] / 1e6:.1f} MB moved, {gbs:.1f} GB/s{shares}")
     print(
         "targets: arith ÷ Adam ≤ 2.0 eager, ≤ 1.6 compiled; full ÷ L ≤ 1.15 "
         "(L = SGD step + the rule's noise draw)"
     )
+    return ratios
 
 
-def main() -> None:
+ALL_RULES_COMPILED = tuple(f"{rule} (compiled)" for rule in (*RULES, "affine student-t"))
+
+
+def run(model_name: str, s: Settings) -> dict[str, Any]:
+    """Measure and print one model; returns its milliseconds and ratios."""
+    med, nbytes, n_params = _measure(model_name, s)
+    print(f"\n== {model_name}: {n_params:,} parameters, batch {BATCH}, mc 1, {s.device} ==")
+    ratios = _report(med, nbytes, s.device)
+    return {"parameters": n_params, "ms": med, "update_bytes": nbytes, "ratios": ratios}
+
+
+QUICK = {"rounds": 1, "steps": 2, "models": ["digits"]}
+"""``--quick``: one timed round of two calls on the digits MLP, nothing compiled (a smoke
+run)."""
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.benchmarks.step_time", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.benchmarks.step_time",
+        description=__doc__.split("\n\n")[0],
+        epilog=DURATIONS,
     )
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median)")
     parser.add_argument("--steps", type=int, default=10, help="calls per round")
     parser.add_argument(
         "--models", nargs="+", default=["mlp", "cnn", "digits"], choices=["mlp", "cnn", "digits"]
     )
-    args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name in args.models:
-        run(name, args.rounds, args.steps)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: --rounds 1 --steps 2 --models digits, one thread, nothing compiled",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+        torch.set_num_threads(1)  # a loaded machine's spare threads spin, many times slower
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device; run on a GPU machine")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}")
+    runs = {"warm-up": len(args.models), "round": len(args.models) * args.rounds}
+    countdown = Countdown("step_time", runs)
+    s = Settings(args.rounds, args.steps, args.device, not args.quick, countdown)
+    results = {name: run(name, s) for name in args.models}
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "models": results}, indent=1))
+
+
+DURATIONS = (
+    "Duration on the project's 2-core CPU machine, one thread, under load: 24 min in full "
+    "(most of it compiling), 17 s with --quick."
+)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ PACKAGE = Path(lgb.__file__).resolve().parent
 RULES = {
     "additive": lambda ps: lgb.AdditiveBLR(ps, lr=0.05, data_size=100),
     "multiplicative": lambda ps: lgb.MultiplicativeBLR(
-        ps, lr=1.0, temperature=0.006, data_size=100
+        ps, lr=1.0, temperature=0.006, data_size=100, init="auto"
     ),
     "affine": lambda ps: lgb.AffineBLR(ps, lr=1.0, scale_lr=0.05, data_size=100),
 }
