@@ -14,12 +14,12 @@ and interleaved:
 * the generic autodiff rule on the diagonal affine group against the specialised
   :class:`~liegroup_blr.AffineBLR` (also on the 64-16-10 MLP of the 8×8 digits);
 * the affine rule with a Student-t base (``student-t``, 3 degrees of freedom) against its
-  Gaussian base;
+  Gaussian base, with fresh draws and with windows of the noise table (``noise="table"``);
 * the compiled updates' achieved memory bandwidth (bytes the update must read and write:
   its state twice, the parameters twice and the gradients once) against the card's peak.
 
 Run: ``python -m experiments.benchmarks.step_time [--rounds 7] [--steps 10] [--quick]
-[--device cuda]``. A line after every round gives the time elapsed and the time left.
+[--eager] [--device cuda]``. A line after every round gives the time elapsed and the time left.
 Numbers are medians over rounds of the mean time per call; ratios come from one run.
 """
 
@@ -120,6 +120,10 @@ def _generic_affine(ps: list[Tensor], **kw: Any) -> torch.optim.Optimizer:
     )
 
 
+TABLE = " (table)"
+"""The suffix of the rows whose noise is served by the noise table."""
+
+
 def _student_t_affine(ps: list[Tensor], **kw: Any) -> torch.optim.Optimizer:
     """The affine rule with a Student-t base of the Gaussian's scale (3 degrees of freedom)."""
     return RULES["affine"](ps, base=lgb.distributions.from_name("student-t", 0.005), **kw)
@@ -149,10 +153,13 @@ def _optimizers(
         "ivon": lambda ps: ivon.IVON(ps, lr=1e-3, ess=DATA_SIZE),
         **RULES,
         "affine student-t": _student_t_affine,
+        f"affine{TABLE}": functools.partial(RULES["affine"], noise="table"),
+        f"affine student-t{TABLE}": functools.partial(_student_t_affine, noise="table"),
         "generic affine": _generic_affine,
     }
     if compile:
-        for name in [n for n in makers if n not in ("sgd", "adam", "ivon")]:
+        eager = [n for n in makers if n not in ("sgd", "adam", "ivon") and TABLE not in n]
+        for name in eager:
             makers[f"{name} (compiled)"] = functools.partial(makers[name], compile=True)
     out = {}
     for name, make in makers.items():
@@ -219,12 +226,12 @@ def _noise_draw(rule: str, params: list[Tensor]) -> Callable[[], None]:
                 b.normal_()
 
         return gaussian
-    if rule == "affine student-t":  # torch's StudentT sampler (a normal over a gamma's root)
-        t = torch.distributions.StudentT(torch.tensor(3.0, device=params[0].device))
+    if rule == "affine student-t":  # the library's exact sampler (a normal over a χ²'s root)
+        t = lgb.distributions.from_name("student-t", 0.005)
+        outs = [torch.empty_like(p) for p in params]
 
         def student_t() -> None:
-            for p in params:
-                t.sample(p.shape)
+            lgb.distributions.sample_each(t, outs)
 
         return student_t
     bufs = [torch.empty((2, *p.shape), device=p.device) for p in params]  # Rayleigh: g⁺, g⁻
@@ -346,7 +353,7 @@ def _draw_of(name: str) -> str | None:
     """The key of ``DRAWS`` whose draw is optimizer ``name``'s noise floor, if any."""
     rule = name.removesuffix(" (compiled)").removeprefix("generic ")
     rule = "additive" if rule == "affine" else rule
-    return rule if rule in DRAWS else None
+    return rule if rule in DRAWS else None  # the table's rows draw no noise: no floor
 
 
 def _report(med: dict[str, float], nbytes: dict[str, int], device: str) -> dict[str, float]:
@@ -375,6 +382,7 @@ def _report(med: dict[str, float], nbytes: dict[str, int], device: str) -> dict[
     for mode in (m for m in ("", " (compiled)") if f"full:affine{m}" in med):
         ratio = med[f"full:generic affine{mode}"] / med[f"full:affine{mode}"]
         print(f"generic ÷ specialised affine rule{mode}, full step: {ratio:.2f}")
+    for mode in (m for m in ("", " (compiled)", TABLE) if f"full:affine{m}" in med):
         ratios[f"student-t ÷ gaussian affine{mode}"] = t = (
             med[f"full:affine student-t{mode}"] / med[f"full:affine{mode}"]
         )
@@ -424,6 +432,9 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="a smoke run: --rounds 1 --steps 2 --models digits, one thread, nothing compiled",
     )
+    parser.add_argument(
+        "--eager", action="store_true", help="time no compiled optimizer (no compiling wait)"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     args = parser.parse_args(argv)
@@ -435,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}")
     runs = {"warm-up": len(args.models), "round": len(args.models) * args.rounds}
     countdown = Countdown("step_time", runs)
-    s = Settings(args.rounds, args.steps, args.device, not args.quick, countdown)
+    s = Settings(args.rounds, args.steps, args.device, not (args.quick or args.eager), countdown)
     results = {name: run(name, s) for name in args.models}
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "models": results}, indent=1))
