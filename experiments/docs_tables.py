@@ -258,6 +258,18 @@ REFERENCE_ROWS = tuple(
 """Rows of the reference network's tables: SGD at g, the additive rule at g and averaged, the
 multiplicative rule also at its posterior mean."""
 
+CNN_ROWS = tuple(
+    (rule, est, (rule, ESTIMATE_NAMES[est].replace("32", "8"))) for rule, est, _ in REFERENCE_ROWS
+)
+"""Rows of the CNN's tables: the reference network's, with model averages of 8 samples."""
+
+TAILS_ROWS = tuple(
+    (base, est, (base, ESTIMATE_NAMES[est]))
+    for base in ("gaussian", "laplace", "student_t")
+    for est in ("point", "average")
+)
+"""Rows of the heavy-tailed bases' table: each base at g and averaged."""
+
 CONTINUAL = (
     Metric("final avg. accuracy (%)", "{est}.final_accuracy", 100.0, 1),
     Metric("task 1 after task 1 (%)", "{est}.first_task", 100.0, 1),
@@ -309,6 +321,14 @@ TABLES: dict[str, Table] = {
         RULE_ESTIMATE,
         tuple(row for row in REFERENCE_ROWS if row[1] != "mean"),
         SPARSITY,
+    ),
+    "mnist5k_cnn/predictive": Table("mnist5k_cnn", RULE_ESTIMATE, CNN_ROWS, PREDICTIVE),
+    "mnist5k_cnn/sparsity": Table(
+        "mnist5k_cnn", RULE_ESTIMATE, tuple(row for row in CNN_ROWS if row[1] != "mean"), SPARSITY
+    ),
+    "mnist5k_cnn/ood": Table("mnist5k_cnn", RULE_ESTIMATE, CNN_ROWS, OOD),
+    "mnist5k_affine_tails/predictive": Table(
+        "mnist5k_affine_tails", RULE_ESTIMATE, TAILS_ROWS, PREDICTIVE
     ),
     "readme/cpu_default": Table(
         "cpu_default",
