@@ -411,12 +411,14 @@ def train(
     Everything is checked before anything is written; rank 0 holds the folder's lock for
     the run's life. Each epoch's metrics row is saved inside its checkpoint, then
     ``metrics.jsonl`` is rewritten from it, so no kill loses a row. ``progress`` hears of
-    every epoch; ``title`` names the run in its figures (default: ``"FOLDER: RULE, seed S"``).
+    every epoch; ``title`` names the run in its figures (default: ``"DATA, MODEL: RULE, seed
+    S"``).
     """
     cfg = config_module.resolve(raw)
     processes = distributed.from_environment(cfg["parallel"])
     out = Path(out)
-    title = title or f"{out.name}: {cfg['optimizer']['name']}, seed {cfg['seed']}"
+    data = skeleton.data_name(cfg, out)
+    title = title or f"{data}: {cfg['optimizer']['name']}, seed {cfg['seed']}"
     with contextlib.ExitStack() as lock:
         prepare = partial(_prepare, cfg, out, resume, processes, lock)
         run, start, history = on_every_process(prepare, processes)

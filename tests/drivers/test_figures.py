@@ -152,7 +152,7 @@ def test_entropy_histograms_name_the_run_and_differ_in_style(drawn: dict[str, An
     assert len({p.get_linestyle() for p in ax.patches}) == 3
 
 
-def test_every_figure_of_a_run_names_its_config_rule_and_seed(
+def test_every_figure_of_a_run_names_its_data_rule_and_seed(
     tmp_path: Path, drawn: dict[str, Any]
 ) -> None:
     cfg = {**tiny_config(optimizer="multiplicative"), "seed": 3}
@@ -166,7 +166,8 @@ def test_every_figure_of_a_run_names_its_config_rule_and_seed(
         "filters_inhibitory.png",
     }
     for name, fig in drawn.items():
-        assert fig._suptitle.get_text().startswith("tiny_cfg: multiplicative, seed 3: "), name
+        title = fig._suptitle.get_text()
+        assert title.startswith("synthetic, mlp: multiplicative, seed 3: "), name
 
 
 def test_every_figure_of_a_comparison_names_it(tmp_path: Path, drawn: dict[str, Any]) -> None:
@@ -177,9 +178,11 @@ def test_every_figure_of_a_comparison_names_it(tmp_path: Path, drawn: dict[str, 
     raw["runs"]["gauss"] = {"optimizer": {"name": "affine", "lr": 0.5, "scale_lr": 0.05}}
     compare.compare(copy.deepcopy(raw), tmp_path / "my_config")
     titles = {name: fig._suptitle.get_text() for name, fig in drawn.items()}
-    assert titles["learning_curves.png"].startswith("my_config, seed 4: ")
-    assert titles["weight_magnitudes.png"].startswith("my_config: first-layer weight magnitudes")
-    assert titles["reliability.png"].startswith("my_config: gauss (affine), seed 4: ")
+    assert titles["learning_curves.png"].startswith("synthetic, mlp, seed 4: ")
+    weights = "synthetic, mlp: first-layer weight magnitudes at g, seed 4 (of seed 4)"
+    assert titles["weight_magnitudes.png"] == weights
+    assert titles["reliability.png"].startswith("synthetic, mlp: gauss (affine), seed 4: ")
+    assert not any("my_config" in title for title in titles.values())
 
 
 def test_final_accuracy_starts_at_zero_and_draws_diverged_seeds(drawn: dict[str, Any]) -> None:
