@@ -58,7 +58,7 @@ def check_readme_example(path: str) -> None:
 OPTIMIZERS: dict[str, Callable[[nn.Module], lgb.optim.BLROptimizer]] = {
     "AdditiveBLR": lambda m: lgb.AdditiveBLR(m.parameters(), lr=0.05, data_size=64),
     "MultiplicativeBLR": lambda m: lgb.MultiplicativeBLR(
-        m.parameters(), lr=1.0, temperature=0.01, data_size=64
+        m.parameters(), lr=1.0, temperature=0.01, data_size=64, init="auto"
     ),
     "AffineBLR": lambda m: lgb.AffineBLR(m.parameters(), lr=1.0, scale_lr=0.05, data_size=64),
     "LieGroupBLR": lambda m: lgb.LieGroupBLR(
