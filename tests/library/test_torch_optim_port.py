@@ -1075,3 +1075,22 @@ def test_multiplicative_init_keep_keeps_the_weights_reference_rewrites_them():
     assert not torch.allclose(model.weight.detach(), value)
     with pytest.raises(ValueError, match="init"):
         lgb.MultiplicativeBLR(model.parameters(), lr=0.01, data_size=100, init="pretrained")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_closure_called_before_step_is_torchs_idiom(kind):
+    """torch's tests write ``loss = closure(); opt.step(closure)``: the closure zeroes the
+    gradients, so what it left before ``step`` is not accumulated into a sample. No refusal,
+    no warning, and the steps are those of ``opt.step(closure)`` alone."""
+    ends = []
+    for call_first in (True, False):
+        model, opt = setup(kind)
+        closure = closure_for(opt, model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(3):
+                if call_first:
+                    closure()
+                opt.step(closure)
+        ends.append(snapshot(opt, model))
+    assert_equal(ends[0], ends[1])
