@@ -14,14 +14,20 @@ per method, with its ``strategy`` and an ``[methods.LABEL.optimizer]`` table
 - ``joint``: on task t, train on the union of tasks 1 … t (the upper reference: it keeps
   every task's data);
 - ``posterior``: a Lie-group rule; the first task with its δ-prior, then at every task
-  boundary ``optimizer.next_task(data_size=N_t)``, which makes the posterior learned so far
-  the prior of the next task. ``prior = "initial"`` is its ablation: the same boundary, but
-  every task keeps the first task's N(0, 1/δ) prior and entropy term (the rule fine-tunes).
-  ``memory = m`` > 0 keeps m examples of every finished task in a
-  :class:`liegroup_blr.MemorablePast` (``memory_selection``: ``"sensitivity"``, the highest
-  memory-map scores, or ``"random"``) and adds ``memory_strength`` λ times its replay loss
-  (the cross-entropy of a minibatch of the memory as large as the data's, each example on its
-  task's head) to every later step's loss.
+  boundary ``optimizer.next_task(data_size=N_t, strength=prior_strength)``, which makes the
+  posterior learned so far (raised to the power ``prior_strength``, 1 = sequential Bayes) the
+  prior of the next task. ``prior = "initial"`` is its ablation: the same boundary, but every
+  task keeps the first task's N(0, 1/δ) prior and entropy term (the rule fine-tunes).
+
+Every strategy but ``joint`` takes a memory: ``memory = m`` > 0 keeps m examples of every
+finished task in a :class:`liegroup_blr.MemorablePast` (``memory_selection``: ``"lambda"``,
+FROMP's class-balanced λ; ``"random"``; ``"sensitivity"``, the memory-map score) with the
+model's prediction on them at the end of their task, and adds ``memory_strength`` times its
+term (``memory_use``: ``"kprior"``, the KL from the old prediction to the new; ``"fromp"``,
+FROMP's kernel-weighted distance; ``"replay"``, the hard labels' NLL) on a minibatch of the
+memory as large as the data's, each memory example counted as one of the task's N_t
+examples and scored on its task's head. The memory-map score and FROMP's kernel need a
+posterior (``posterior`` methods only).
 
 ``[stream] validation = V`` > 0 holds out V examples of the dataset's training set (drawn
 with ``validation_seed``, :func:`experiments.data.validation_split`): the tasks are built from
@@ -73,7 +79,7 @@ from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
 from experiments.streams import HEADS, STREAMS, Head, Task, build_stream, column_mask
 from experiments.train import DivergedError, resolve_device
 from liegroup_blr import predictive
-from liegroup_blr.memorable import SELECTIONS
+from liegroup_blr.memorable import SELECTIONS, USES
 
 TASKS = "tasks.jsonl"
 POSTERIOR = "posterior.pt"
@@ -96,18 +102,23 @@ SECTIONS: dict[str, dict[str, Any]] = {
     "eval": {"samples": 32, "bins": 20},
 }
 
+# a memory of each finished task (liegroup_blr.MemorablePast), any strategy but joint
+MEMORY_KEYS: dict[str, Any] = {
+    "memory": 0,
+    "memory_selection": "lambda",
+    "memory_use": "kprior",
+    "memory_strength": 1.0,
+}
 # keys of a [methods.LABEL] table besides its optimizer, by strategy
 STRATEGIES: dict[str, dict[str, Any]] = {
-    "finetune": {},
-    "ewc": {"ewc_lambda": NUMBER, "ewc_gamma": 1.0},
+    "finetune": dict(MEMORY_KEYS),
+    "ewc": {"ewc_lambda": NUMBER, "ewc_gamma": 1.0, **MEMORY_KEYS},
     "joint": {},
-    "posterior": {
-        "prior": "posterior",
-        "memory": 0,
-        "memory_selection": "sensitivity",
-        "memory_strength": 1.0,
-    },
+    "posterior": {"prior": "posterior", "prior_strength": 1.0, **MEMORY_KEYS},
 }
+NEEDS_POSTERIOR = {"memory_selection": "sensitivity", "memory_use": "fromp"}
+"""Memory settings that need a posterior (a ``posterior`` method): the memory-map score and
+FROMP's kernel."""
 BASELINE_OPTIMIZERS = ("sgd", "adam")  # finetune, ewc, joint
 BLR_OPTIMIZERS = ("additive", "multiplicative", "affine", "lie")  # posterior
 
@@ -145,23 +156,43 @@ def _method(label: str, given: Any) -> dict[str, Any]:
     method["optimizer"] = fill(f"{where}.optimizer", opt, schema)
     config_module.check_base(method["optimizer"])
     if strategy == "posterior":
-        _check_posterior(where, method)
+        _check_prior(where, method)
+    if "memory" in method:
+        _check_memory(where, method)
     return method
 
 
-def _check_posterior(where: str, method: dict[str, Any]) -> None:
-    """The prior and memory keys of a ``posterior`` method."""
+def _check_prior(where: str, method: dict[str, Any]) -> None:
+    """The prior keys of a ``posterior`` method."""
     if method["prior"] not in PRIORS:
         raise ConfigError(f"{where}.prior: unknown {method['prior']!r}; valid: {list(PRIORS)}")
+    strength = method["prior_strength"]
+    if not (math.isfinite(strength) and strength > 0):
+        raise ConfigError(f"{where}.prior_strength must be finite and > 0, got {strength}")
+    if method["prior"] == "initial" and strength != 1.0:
+        raise ConfigError(
+            f"{where}.prior_strength: {strength} weights the previous posterior, which "
+            'prior = "initial" removes; drop prior_strength'
+        )
+
+
+def _check_memory(where: str, method: dict[str, Any]) -> None:
+    """The memory keys of a method."""
     if method["memory"] < 0:
         raise ConfigError(f"{where}.memory must be >= 0 examples per task, got {method['memory']}")
-    if method["memory_selection"] not in SELECTIONS:
-        raise ConfigError(
-            f"{where}.memory_selection: unknown {method['memory_selection']!r}; valid: "
-            f"{list(SELECTIONS)}"
-        )
+    for key, valid in (("memory_selection", SELECTIONS), ("memory_use", USES)):
+        if method[key] not in valid:
+            raise ConfigError(f"{where}.{key}: unknown {method[key]!r}; valid: {list(valid)}")
     if not method["memory_strength"] > 0:
         raise ConfigError(f"{where}.memory_strength must be > 0, got {method['memory_strength']}")
+    if method["strategy"] != "posterior" and method["memory"]:
+        for key, value in NEEDS_POSTERIOR.items():
+            if method[key] == value:
+                raise ConfigError(
+                    f"{where}.{key}: {value!r} needs a posterior; strategy "
+                    f"{method['strategy']!r} has a point estimate only (use memory_selection "
+                    '"lambda" or "random", memory_use "kprior" or "replay")'
+                )
 
 
 TOP_LEVEL: dict[str, Any] = {"seed": 0, "device": "auto", "threads": 0}
@@ -288,8 +319,10 @@ def build(cfg: dict[str, Any]) -> Learner:
     if method["strategy"] == "ewc":
         ewc = OnlineEWC(method["ewc_lambda"], method["ewc_gamma"])
     memory = None
-    if method["strategy"] == "posterior" and method["memory"]:
-        memory = lgb.MemorablePast(method["memory"], method["memory_selection"])
+    if method.get("memory"):
+        memory = lgb.MemorablePast(
+            method["memory"], method["memory_selection"], method["memory_use"]
+        )
     generator = torch.Generator().manual_seed(seed)
     masks = masks.to(device)
     parts = (model, optimizer, scheduler, generator, ewc, memory, data.eval_set)
@@ -312,9 +345,11 @@ def _training_set(learner: Learner, t: int) -> tuple[Tensor, Tensor, Tensor]:
     return x, y, ids
 
 
-def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor | None) -> Any:
-    """Mean cross-entropy over each example's head (+ the EWC penalty, + λ times the replay
-    loss of the memory's ``rows``), backward."""
+def _closure(
+    learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor | None, size: int
+) -> Any:
+    """Mean cross-entropy over each example's head (+ the EWC penalty, + λ times the memory's
+    term on its ``rows``, each memory example one of the task's ``size``), backward."""
 
     def closure() -> Tensor:
         learner.optimizer.zero_grad()
@@ -322,19 +357,22 @@ def _closure(learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor 
         if learner.ewc is not None:
             loss = loss + learner.ewc.penalty(learner.model)
         if rows is not None:
-            loss = loss + learner.cfg["method"]["memory_strength"] * _replay_loss(learner, rows)
+            strength = learner.cfg["method"]["memory_strength"]
+            loss = loss + strength * _memory_loss(learner, rows, size)
         loss.backward()
         return loss.detach()
 
     return closure
 
 
-def _replay_loss(learner: Learner, rows: Tensor) -> Tensor:
-    """The memory's replay loss on its ``rows``, each on its task's head."""
+def _memory_loss(learner: Learner, rows: Tensor, size: int) -> Tensor:
+    """The memory's term on its ``rows``, each on its task's head, for a task of ``size``
+    training examples (:meth:`liegroup_blr.MemorablePast.loss`)."""
     memory = learner.memory
     assert memory is not None
     logits = learner.model(memory.inputs[rows])
-    return memory.loss(logits.gather(1, learner.columns[memory.tasks[rows]]), rows)
+    head = logits.gather(1, learner.columns[memory.tasks[rows]])
+    return memory.loss(head, data_size=size, rows=rows)
 
 
 def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, epoch: int) -> float:
@@ -362,7 +400,7 @@ def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, e
         if memory is not None and len(memory):  # a minibatch of the memory, as large
             rows = torch.randperm(len(memory), generator=learner.data_rng)[:batch]
             rows = rows.to(y.device)
-        closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]], rows)
+        closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]], rows, len(y))
         loss = float(learner.optimizer.step(closure))
         if not math.isfinite(loss) or not runfiles.all_finite(list(learner.model.parameters())):
             raise DivergedError(
@@ -387,7 +425,8 @@ def _next_task(learner: Learner, t: int) -> None:
         _remember(learner, t)
     if learner.strategy == "posterior":
         method, optimizer = learner.cfg["method"], learner.optimizer
-        optimizer.next_task(data_size=len(learner.tasks[t + 1].train_y))  # type: ignore[attr-defined]
+        size, strength = len(learner.tasks[t + 1].train_y), method["prior_strength"]
+        optimizer.next_task(data_size=size, strength=strength)  # type: ignore[attr-defined]
         if method["prior"] == "initial":
             optimizer.set_prior(None)  # type: ignore[attr-defined]
             for group in optimizer.param_groups:
@@ -395,8 +434,8 @@ def _next_task(learner: Learner, t: int) -> None:
 
 
 def _remember(learner: Learner, t: int) -> None:
-    """Add task t's training examples to the memory, scored on its head by the posterior,
-    with a generator seeded by the run's seed and t."""
+    """Add task t's examples to the memory, chosen and predicted on its head (with the
+    posterior where the method has one), with a generator seeded by the run's seed and t."""
     assert learner.memory is not None
     task, columns = learner.tasks[t], learner.columns[t]
     labels = (task.train_y[:, None] == columns).int().argmax(1)  # the label's column in its head
@@ -405,7 +444,7 @@ def _remember(learner: Learner, t: int) -> None:
     head = Head(learner.model, columns)
     learner.memory.add_task(
         head,
-        learner.optimizer,
+        learner.optimizer if learner.strategy == "posterior" else None,
         task.train_x,
         labels,
         generator=generator,

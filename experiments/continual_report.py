@@ -305,7 +305,7 @@ def docs_figures(docs_summary: Mapping[str, Any], cfg: Mapping[str, Any], out: P
 def _hyperparameters(method: Mapping[str, Any]) -> str:
     opt = method["optimizer"]
     keys = [f"{k}={v}" for k, v in opt.items() if k != "name" and v != {}]
-    unused = ("memory_selection", "memory_strength") if not method.get("memory") else ()
+    unused = () if method.get("memory") else ("memory_selection", "memory_use", "memory_strength")
     keys += [f"{k}={v}" for k, v in method.items() if k not in ("strategy", "optimizer", *unused)]
     return ", ".join(keys)
 

@@ -1,21 +1,59 @@
-r"""The memorable past: a small memory of each finished task, kept beside the posterior, and
-its replay in the losses of later tasks.
+r"""The memorable past: a few examples of each finished task and the old model's predictions
+on them, kept beside the posterior, and a functional regulariser on them for later tasks.
 
 After task :math:`t` the memory keeps :math:`m` of the task's training examples
-:math:`(x_i, y_i)`: those with the highest memory-map scores :math:`s_i`
-(:func:`liegroup_blr.memory.sensitivity`, the estimated change of an example's prediction
-were it removed from training: the examples the posterior rests on, the "memorable past" of
-Pan et al., NeurIPS 2020), or :math:`m` drawn at random (the control). In later tasks the
-**replay loss** is the mean negative log-likelihood of memory rows :math:`B` (all of them,
-or a minibatch),
+:math:`(x_j, y_j)` (:data:`SELECTIONS`) and the old model's outputs on them,
+:math:`f^{\text{old}}_j = f(x_j;\theta_t)`: the logits, or the predicted mean of a Gaussian
+likelihood. Each kept example counts as one example of a later task's mean-loss objective:
+with :math:`N` that task's training-set size and :math:`B` a minibatch of the :math:`M`
+memory rows,
 
-.. math:: R(\theta) = -\frac1{|B|}\sum_{i\in B} \log \operatorname{softmax} f(x_i;\theta)_{y_i},
+.. math:: R(\theta) = \frac1N\,\frac{M}{|B|}\sum_{j\in B} r_j\bigl(f(x_j;\theta)\bigr),
 
-added to the task's mean loss with a weight :math:`\lambda`: a rule with the previous
-posterior as prior then minimises
-:math:`\mathbb E_q[\bar\ell_t + \lambda R] + \frac{\tau}{N_t}\mathrm{KL}(q\,\|\,q_{t-1})`.
-The prior carries what the weights learned; the replayed examples put a few of the old
-tasks' likelihood terms back (VCL's coreset, Nguyen et al., ICLR 2018, in a loss).
+an unbiased estimate of :math:`\frac1N\sum_{j=1}^M r_j`, added to the task's mean loss with a
+weight :math:`\lambda` (1: each kept example weighs as much as a current one). A rule with the
+previous posterior as prior then minimises :math:`\mathbb E_q[\bar\ell_t + \lambda R] +
+\frac{\tau}{N}\mathrm{KL}(q\,\|\,q_{t-1})`. The term :math:`r_j` (:data:`USES`), with
+:math:`\Delta_j = f_j - f^{\text{old}}_j`:
+
+* ``"kprior"`` (K-prior, Khan & Swaroop, NeurIPS 2021): categorical
+  :math:`r_j = \mathrm{KL}(\operatorname{softmax} f^{\text{old}}_j\,\|\,\operatorname{softmax}
+  f_j)`, whose gradient in :math:`f_j` is :math:`\operatorname{softmax} f_j - p^{\text{old}}_j`
+  (the likelihood's with the old model's soft labels); Gaussian
+  :math:`r_j = \|\Delta_j\|^2/2\sigma^2`. For a generalised linear model with every example of
+  task 1 kept and the prior :math:`\frac\delta2\|\theta-\theta_1\|^2` at the MAP
+  :math:`\theta_1`, :math:`\sum_j r_j` plus the prior has the gradient of task 1's likelihood
+  plus :math:`\frac\delta2\|\theta\|^2`, so task 2 ends at the joint MAP: exact.
+* ``"fromp"`` (FROMP, Pan et al., NeurIPS 2020): :math:`r_j = \frac12\Delta_j^\top K_j^{-1}
+  \Delta_j`, :math:`K_j = J_j\Sigma J_j^\top/\tau` the example's class × class block of the
+  logits' covariance under the posterior that ended its task
+  (:func:`~liegroup_blr.memory.prediction_variance` with ``cross_class=True``): the kernel is
+  block-diagonal over the examples. For a linear-Gaussian model the weight-space prior
+  :math:`\frac12(\theta-\theta_1)^\top\Sigma_1^{-1}(\theta-\theta_1)` equals
+  :math:`\frac12\Delta^\top(X\Sigma_1X^\top)^{-1}\Delta` on :math:`d` memory points with
+  invertible :math:`X`; the per-example blocks give it where :math:`X\Sigma_1X^\top` is
+  diagonal (one weight, or axis-aligned inputs and a diagonal :math:`\Sigma_1`).
+* ``"replay"`` (the control): the label's negative log-likelihood,
+  :math:`-\log\operatorname{softmax}(f_j)_{y_j}` or :math:`\|f_j - y_j\|^2/2\sigma^2`.
+
+**Double counting.** ``"kprior"`` and ``"fromp"`` pull toward the old model's own predictions:
+at the start of a task (:math:`\theta = \theta_{\text{old}}`) their gradient is exactly zero.
+They add no evidence the prior already holds; they keep the function from drifting where the
+weight-space prior is too crude (diagonal, isotropic). ``"replay"`` re-adds the kept
+examples' likelihood, which the posterior used as prior already holds: it counts it twice
+(VCL's coreset, Nguyen et al., ICLR 2018, which removes it from the prior, does not).
+
+**FROMP's choices.** The reference code (``team-approx-bayes/fromp``, ``opt_fromp.py`` and
+``utils.py``) chooses the points as here (λ, class-balanced) but regularises the softmax
+*probabilities* (a sigmoid for one output), with one kernel per class over the task's
+memorable points (cross-class terms dropped, cross-example kept) from a diagonal
+(Fisher + prior precision) covariance, jitter :math:`10^{-5}I`, recomputed at the start of
+every task. Here the regulariser is on the *logits*, whose covariance is the Gaussian one of
+the linearised model (the probabilities' :math:`\Lambda J\Sigma J^\top\Lambda` is singular:
+each row sums to 0), with one class × class block per example (cross-class kept,
+cross-example dropped), computed once, when the task is added, from the posterior that ended
+it (any group: the Jacobian form or posterior samples), with a jitter of :math:`10^{-6}` times
+the mean prediction variance of the task's kept examples.
 """
 
 from __future__ import annotations
@@ -26,30 +64,44 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.functional import cross_entropy
+from torch.nn.functional import cross_entropy, log_softmax, softmax
 
 from . import posterior_io
-from .memory import sensitivity
+from .memory import _evaluating, prediction_variance, sensitivity
 from .posterior import Posterior
 
-__all__ = ["SELECTIONS", "MemorablePast"]
+__all__ = ["LIKELIHOODS", "SELECTIONS", "USES", "MemorablePast"]
 
-SELECTIONS = ("sensitivity", "random")
-"""How :meth:`~liegroup_blr.MemorablePast.add_task` chooses a task's examples:
-``"sensitivity"`` (the highest :func:`~liegroup_blr.memory.sensitivity` scores) or
-``"random"`` (uniformly, without replacement: the control)."""
+SELECTIONS = ("lambda", "random", "sensitivity")
+"""How :meth:`~liegroup_blr.MemorablePast.add_task` chooses a task's examples: ``"lambda"``
+(FROMP's memorable points: the highest :math:`\\lambda_i = \\sum_k p_{ik}(1 - p_{ik})` at the
+model's outputs, class-balanced; categorical only), ``"random"`` (uniformly, without
+replacement: the control) or ``"sensitivity"`` (the highest
+:func:`~liegroup_blr.memory.sensitivity` scores; needs a posterior)."""
 
-_FIELDS = ("inputs", "targets", "tasks", "scores")
+USES = ("kprior", "fromp", "replay")
+"""The memory's term :math:`r_j` in :meth:`~liegroup_blr.MemorablePast.loss`: ``"kprior"``
+(the old model's predictions as soft labels), ``"fromp"`` (their distance in the metric of the
+inverse kernel; needs a posterior) or ``"replay"`` (the hard labels: the control)."""
+
+LIKELIHOODS = ("categorical", "gaussian")
+"""The likelihood of the outputs: ``"categorical"`` (softmax over the logits) or
+``"gaussian"`` (the predicted mean, noise variance σ²)."""
+
+_FIELDS = ("inputs", "targets", "tasks", "scores", "outputs_old", "kernel_inverse")
+_SETTINGS = ("per_task", "selection", "use", "likelihood", "noise_variance")
+_JITTER = 1e-6
 
 
 class MemorablePast:
-    r"""A memory of ``per_task`` training examples of every finished task and the replay loss
-    :math:`R(\theta)` on it.
+    r"""A memory of ``per_task`` training examples of every finished task, the old model's
+    outputs on them, and the functional regulariser :math:`R(\theta)` on it.
 
     The optimizer's :meth:`~liegroup_blr.optim.BLROptimizer.next_task` carries the posterior
-    over to the next task and sees no data; this object carries a few examples::
+    over to the next task and sees no data; this object carries a few examples and what the
+    model predicted on them::
 
-        memory = lgb.MemorablePast(per_task=200)
+        memory = lgb.MemorablePast(per_task=200)  # selection="lambda", use="kprior"
         for t, (x, y) in enumerate(tasks):
             if t:
                 optimizer.next_task(data_size=len(y))
@@ -59,37 +111,76 @@ class MemorablePast:
                     optimizer.zero_grad()
                     loss = cross_entropy(model(xb), yb)
                     if len(memory):
-                        loss = loss + strength * memory.loss(model(memory.inputs))
+                        memory_loss = memory.loss(model(memory.inputs), data_size=len(y))
+                        loss = loss + strength * memory_loss
                     loss.backward()
                     return loss
 
                 optimizer.step(closure)
             memory.add_task(model, optimizer, x, y)
 
+    ``"kprior"`` and ``"replay"`` need only the point estimate (``posterior=None``: an Adam or
+    EWC baseline can use them); ``"fromp"`` and the ``"sensitivity"`` selection need a
+    posterior.
+
     Args:
         per_task: examples kept of each task (at most its training set).
         selection: one of :data:`~liegroup_blr.memorable.SELECTIONS`.
+        use: one of ``USES``: ``"kprior"``, ``"fromp"`` or ``"replay"`` (module docstring).
+        likelihood: ``"categorical"`` (outputs are logits, labels integers) or
+            ``"gaussian"`` (outputs are the predicted mean, targets values).
+        noise_variance: σ² of the Gaussian likelihood.
 
     Attributes:
         inputs: ``[M, ...]`` the kept inputs, task after task.
-        targets: ``[M]`` their labels.
+        targets: ``[M]`` their labels (or ``[M, ...]`` values of a Gaussian likelihood).
         tasks: ``[M]`` the index of the task each came from (0 for the first added).
-        scores: ``[M]`` their memory-map scores (NaN in a random memory, which scores
-            nothing).
+        scores: ``[M]`` their selection scores: λ, the memory-map score, or NaN (random).
+        outputs_old: ``[M, K]`` the model's outputs on them when their task was added.
+        kernel_inverse: ``[M, K, K]`` the inverse kernel blocks :math:`K_j^{-1}` (``"fromp"``;
+            empty otherwise).
         num_tasks: the tasks added.
 
     Raises:
-        ValueError: naming the argument, for ``per_task`` < 1 or an unknown selection.
+        ValueError: naming the argument, for ``per_task`` < 1, an unknown selection, use or
+            likelihood, a noise variance ≤ 0 or given to a categorical likelihood, or
+            ``"lambda"`` with a Gaussian likelihood.
     """
 
-    def __init__(self, per_task: int, selection: str = "sensitivity") -> None:
+    def __init__(
+        self,
+        per_task: int,
+        selection: str = "lambda",
+        use: str = "kprior",
+        *,
+        likelihood: str = "categorical",
+        noise_variance: float = 1.0,
+    ) -> None:
         if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
             raise ValueError(f"per_task: must be an integer >= 1, got {per_task!r}")
-        if selection not in SELECTIONS:
-            raise ValueError(f"selection: must be one of {SELECTIONS}, got {selection!r}")
+        for name, value, valid in (
+            ("selection", selection, SELECTIONS),
+            ("use", use, USES),
+            ("likelihood", likelihood, LIKELIHOODS),
+        ):
+            if value not in valid:
+                raise ValueError(f"{name}: must be one of {valid}, got {value!r}")
+        if isinstance(noise_variance, bool) or not noise_variance > 0:
+            raise ValueError(f"noise_variance: must be > 0, got {noise_variance!r}")
+        if likelihood == "categorical" and noise_variance != 1.0:
+            raise ValueError("noise_variance: only the Gaussian likelihood has one")
+        if likelihood == "gaussian" and selection == "lambda":
+            raise ValueError(
+                "selection: 'lambda' ranks by the softmax's p(1 - p), constant for a Gaussian "
+                "likelihood; use selection='random'"
+            )
         self.per_task = per_task
         self.selection = selection
+        self.use = use
+        self.likelihood = likelihood
+        self.noise_variance = float(noise_variance)
         self.inputs = self.targets = self.tasks = self.scores = torch.empty(0)
+        self.outputs_old = self.kernel_inverse = torch.empty(0)
         self.num_tasks = 0
 
     def __len__(self) -> int:
@@ -97,109 +188,262 @@ class MemorablePast:
 
     def __repr__(self) -> str:
         return (
-            f"MemorablePast(per_task={self.per_task}, selection={self.selection!r}): "
-            f"{len(self)} examples of {self.num_tasks} task(s)"
+            f"MemorablePast(per_task={self.per_task}, selection={self.selection!r}, "
+            f"use={self.use!r}, likelihood={self.likelihood!r}): {len(self)} examples of "
+            f"{self.num_tasks} task(s)"
         )
 
     # ---------------------------------------------------------------- filling
     def add_task(
         self,
         model: nn.Module,
-        posterior: Posterior | Any,
-        inputs: Tensor,
-        targets: Tensor,
+        posterior: Posterior | Any = None,
+        inputs: Tensor | None = None,
+        targets: Tensor | None = None,
         *,
+        samples: int = 32,
         batch_size: int = 256,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Keep ``per_task`` examples of a finished task.
+        r"""Keep ``per_task`` examples of a finished task with the model's outputs on them.
 
-        ``"sensitivity"`` scores every example with :func:`~liegroup_blr.memory.sensitivity` at its
-        defaults and keeps the highest, in descending order of score; ``"random"`` keeps a
-        uniform draw and scores nothing (``model`` and ``posterior`` unused).
+        ``"lambda"`` splits ``per_task`` as evenly as possible over the classes present in
+        ``targets`` (a class with too few examples gives the rest to the others, lower labels
+        first) and keeps the highest :math:`\lambda_i = \sum_k p_{ik}(1 - p_{ik})`,
+        :math:`p_i = \operatorname{softmax} f(x_i)`, of each class, class after class in
+        descending λ. ``"sensitivity"`` keeps the highest
+        :func:`~liegroup_blr.memory.sensitivity` scores in descending order; ``"random"`` a
+        uniform draw, scoring nothing. The outputs are the model's as it holds its
+        parameters now (a BLR optimizer's point estimate between steps), in eval mode, with
+        no gradient. ``"fromp"`` also stores :math:`K_j^{-1}`, :math:`K_j` the example's
+        class × class block of :math:`J\Sigma J^\top/\tau`
+        (:func:`~liegroup_blr.memory.prediction_variance`, ``cross_class=True``) plus
+        :math:`10^{-6}` times the mean of the kept examples' prediction variances times
+        the identity.
 
         Args:
-            model: the network, its outputs the logits of the task's classes (a multi-head
-                network: a module giving this task's head).
-            posterior: a :class:`~liegroup_blr.Posterior` of ``model``'s parameters, or the
-                Lie-group BLR optimizer that trained them.
+            model: the network, its outputs the logits of the task's classes or the
+                predicted mean (a multi-head network: a module giving this task's head).
+            posterior: a :class:`~liegroup_blr.Posterior` of ``model``'s parameters, the
+                Lie-group BLR optimizer that trained them, or None (``"kprior"`` and
+                ``"replay"`` with the ``"lambda"`` or ``"random"`` selection).
             inputs: ``[n, ...]`` the task's training inputs.
-            targets: ``[n]`` their labels in ``[0, K)``.
-            batch_size: examples per batch of the scores.
-            generator: draws the scores' posterior samples or the random choice (default:
-                torch's global generator).
+            targets: ``[n]`` their labels in ``[0, K)`` (Gaussian: ``[n]`` or ``[n, K]``
+                values).
+            samples: posterior samples of the sensitivity scores and the kernel where they
+                are estimated by sampling (:func:`~liegroup_blr.memory.memory_map`).
+            batch_size: examples per batch through the model.
+            generator: draws the posterior samples or the random choice (default: torch's
+                global generator).
 
         Returns:
             The indices of the kept examples in ``inputs``.
+
+        Raises:
+            ValueError: in one line, for missing inputs or targets, targets that do not fit,
+                or ``posterior=None`` where the selection or the use needs one.
         """
-        keep = min(self.per_task, len(inputs))
-        if self.selection == "sensitivity":
-            scores = sensitivity(
-                model, posterior, inputs, targets, batch_size=batch_size, generator=generator
+        if inputs is None or targets is None:
+            raise ValueError("inputs, targets: pass the finished task's training examples")
+        if len(inputs) == 0:
+            raise ValueError("inputs: no examples; pass the finished task's training inputs")
+        if len(targets) != len(inputs):
+            raise ValueError(
+                f"targets: {len(targets)} targets for {len(inputs)} inputs; pass one per input"
             )
-            rows = scores.topk(keep).indices.to(inputs.device)
-            kept = scores[rows.to(scores.device)].to(inputs.device)
+        if posterior is None and self.selection == "sensitivity":
+            raise ValueError(
+                "posterior: selection='sensitivity' scores with a posterior; pass one (or the "
+                "BLR optimizer), or use selection='lambda' or 'random'"
+            )
+        if posterior is None and self.use == "fromp":
+            raise ValueError(
+                "posterior: use='fromp' builds its kernel from a posterior; pass one (or the "
+                "BLR optimizer), or use use='kprior'"
+            )
+        outputs = self._outputs(model, inputs, batch_size)
+        self._check_targets(targets, outputs)
+        keep = min(self.per_task, len(inputs))
+        if self.selection == "lambda":
+            p = softmax(outputs.double(), dim=-1)
+            lam = (p * (1 - p)).sum(-1)
+            rows = _balanced_top(lam, targets.to(lam.device), keep)
+            kept = lam[rows].to(outputs.dtype)
+        elif self.selection == "sensitivity":
+            scores = sensitivity(
+                model,
+                posterior,
+                inputs,
+                targets,
+                samples=samples,
+                batch_size=batch_size,
+                generator=generator,
+                likelihood=self.likelihood,
+                noise_variance=self.noise_variance,
+            )
+            rows = scores.topk(keep).indices
+            kept = scores[rows]
         else:
             device = inputs.device if generator is None else generator.device
             rows = torch.randperm(len(inputs), generator=generator, device=device)[:keep]
-            rows, kept = rows.to(inputs.device), torch.full((keep,), math.nan, device=inputs.device)
+            kept = torch.full((keep,), math.nan)
+        rows = rows.to(inputs.device)
+        chosen = inputs[rows]
         new = {
-            "inputs": inputs[rows],
+            "inputs": chosen,
             "targets": targets[rows.to(targets.device)],
             "tasks": torch.full((keep,), self.num_tasks, device=inputs.device),
-            "scores": kept,
+            "scores": kept.to(inputs.device),
+            "outputs_old": outputs[rows.to(outputs.device)].to(inputs.device),
         }
+        if self.use == "fromp":
+            new["kernel_inverse"] = self._kernel_inverse(
+                model, posterior, chosen, samples, batch_size, generator, outputs
+            ).to(inputs.device)
+        if len(self) and new["outputs_old"].shape[1:] != self.outputs_old.shape[1:]:
+            raise ValueError(
+                f"model: {new['outputs_old'].shape[1]} outputs, the memory's earlier tasks have "
+                f"{self.outputs_old.shape[1]}; give every task's head the same number"
+            )
         for name, value in new.items():
             old = getattr(self, name)
             setattr(self, name, torch.cat([old, value.detach()]) if len(self) else value.detach())
         self.num_tasks += 1
         return rows
 
-    # ---------------------------------------------------------------- replay
-    def loss(self, logits: Tensor, rows: Tensor | None = None) -> Tensor:
-        r""":math:`R(\theta) = -\frac1{|B|}\sum_{i\in B}\log\operatorname{softmax}
-        (\text{logits}_i)_{y_i}`, the mean cross-entropy of memory ``rows`` with their labels,
-        differentiable in ``logits``.
+    def _outputs(self, model: nn.Module, inputs: Tensor, batch_size: int) -> Tensor:
+        """``[n, K]`` the model's outputs at its current parameters, eval mode, no gradient."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+        parameter = next(iter(model.parameters()), None)
+        device = inputs.device if parameter is None else parameter.device
+        parts = []
+        with torch.no_grad(), _evaluating(model):
+            for start in range(0, len(inputs), batch_size):
+                x = inputs[start : start + batch_size].to(device)
+                parts.append(model(x).reshape(len(x), -1))
+        return torch.cat(parts)
+
+    def _check_targets(self, targets: Tensor, outputs: Tensor) -> None:
+        K = outputs.shape[1]
+        if self.likelihood == "gaussian":
+            if targets[0].numel() != K or not targets.is_floating_point():
+                raise ValueError(
+                    f"targets: a Gaussian likelihood takes float values [n] or [n, {K}] for a "
+                    f"model with {K} outputs, got {targets.dtype} of shape {tuple(targets.shape)}"
+                )
+            return
+        if targets.ndim != 1 or targets.is_floating_point() or targets.is_complex():
+            raise ValueError(
+                f"targets: a categorical likelihood takes integer labels [n], got "
+                f"{targets.dtype} of shape {tuple(targets.shape)}"
+            )
+        if int(targets.min()) < 0 or int(targets.max()) >= K:
+            raise ValueError(f"targets: labels must lie in [0, {K}) for a model with {K} outputs")
+
+    def _kernel_inverse(
+        self,
+        model: nn.Module,
+        posterior: Any,
+        inputs: Tensor,
+        samples: int,
+        batch_size: int,
+        generator: torch.Generator | None,
+        outputs: Tensor,
+    ) -> Tensor:
+        """``[m, K, K]`` the inverses of the kept examples' kernel blocks plus the jitter."""
+        V = prediction_variance(
+            model,
+            posterior,
+            inputs,
+            samples=samples,
+            batch_size=batch_size,
+            generator=generator,
+            cross_class=True,
+        ).double()
+        V = (V + V.mT) / 2
+        jitter = _JITTER * float(V.diagonal(dim1=-2, dim2=-1).mean())
+        if not jitter > 0:
+            raise ValueError(
+                "posterior: gives the kept examples no prediction variance, so FROMP's kernel "
+                "cannot be inverted; use use='kprior'"
+            )
+        eye = torch.eye(V.shape[-1], dtype=V.dtype, device=V.device)
+        inverse = torch.cholesky_inverse(torch.linalg.cholesky(V + jitter * eye))
+        return ((inverse + inverse.mT) / 2).to(outputs.dtype)
+
+    # ------------------------------------------------------------ regulariser
+    def loss(self, outputs: Tensor, data_size: float, rows: Tensor | None = None) -> Tensor:
+        r""":math:`R(\theta) = \frac1N\frac{M}{|B|}\sum_{j\in B} r_j`, differentiable in
+        ``outputs``: each memory example counts as one example of the current task's mean
+        loss, so a minibatch ``rows`` gives an unbiased estimate of the whole memory's
+        :math:`\frac1N\sum_j r_j` (:math:`r_j` of the memory's ``use``: module docstring).
 
         Args:
-            logits: ``[|B|, K]`` the network's logits on ``inputs[rows]``.
+            outputs: ``[|B|, K]`` the network's outputs (logits, or the predicted mean) on
+                ``inputs[rows]``.
+            data_size: N, the current task's training-set size (the optimizer's data_size).
             rows: the memory rows ``B`` (default: every row, in order).
 
         Raises:
-            ValueError: for an empty memory or logits of other rows.
+            ValueError: in one line, for an empty memory, outputs of other rows or classes,
+                or ``data_size`` ≤ 0.
         """
         if not len(self):
             raise ValueError("memory: empty; add_task() a finished task first")
-        y = self.targets if rows is None else self.targets[rows]
-        if logits.ndim != 2 or len(logits) != len(y):
+        if isinstance(data_size, bool) or not data_size > 0:
             raise ValueError(
-                f"logits: shape {tuple(logits.shape)} for {len(y)} memory rows; pass the "
-                "logits [rows, classes] of inputs[rows]"
+                f"data_size: must be > 0, the current task's training-set size; got {data_size!r}"
             )
-        return cross_entropy(logits, y.to(logits.device))
+        if rows is not None:
+            rows = torch.as_tensor(rows, dtype=torch.long, device=self.tasks.device)
+        old = self.outputs_old if rows is None else self.outputs_old[rows]
+        if outputs.shape != old.shape:
+            raise ValueError(
+                f"outputs: shape {tuple(outputs.shape)} for {len(old)} memory rows of "
+                f"{old.shape[1]} outputs; pass the outputs [rows, {old.shape[1]}] of "
+                "inputs[rows]"
+            )
+        old = old.to(device=outputs.device, dtype=outputs.dtype)
+        if self.use == "replay":
+            y = self.targets if rows is None else self.targets[rows]
+            y = y.to(outputs.device)
+            if self.likelihood == "categorical":
+                r = cross_entropy(outputs, y, reduction="none")
+            else:
+                r = (outputs - y.reshape(outputs.shape).to(outputs.dtype)).square().sum(-1)
+                r = r / (2 * self.noise_variance)
+        elif self.use == "kprior":
+            if self.likelihood == "categorical":
+                log_old = log_softmax(old, dim=-1)
+                r = (log_old.exp() * (log_old - log_softmax(outputs, dim=-1))).sum(-1)
+            else:
+                r = (outputs - old).square().sum(-1) / (2 * self.noise_variance)
+        else:
+            K_inv = self.kernel_inverse if rows is None else self.kernel_inverse[rows]
+            delta = outputs - old
+            K_inv = K_inv.to(device=outputs.device, dtype=outputs.dtype)
+            r = torch.einsum("bk,bkl,bl->b", delta, K_inv, delta) / 2
+        return r.sum() * (len(self) / len(old) / float(data_size))
 
     # ---------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:
         """The settings and the stored tensors (loadable with ``torch.load(weights_only=True)``)."""
+        settings = {name: getattr(self, name) for name in _SETTINGS}
         fields = {name: getattr(self, name) for name in _FIELDS}
-        return {
-            "per_task": self.per_task,
-            "selection": self.selection,
-            "num_tasks": self.num_tasks,
-            **fields,
-        }
+        return {**settings, "num_tasks": self.num_tasks, **fields}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`.
 
         Raises:
-            ValueError: in one line, for a state of another ``per_task`` or selection, or
-                missing a field.
+            ValueError: in one line, for a state of other settings (``per_task``,
+                selection, use, likelihood, noise variance), or missing a field.
         """
-        missing = sorted({"per_task", "selection", "num_tasks", *_FIELDS} - set(state_dict))
+        missing = sorted({*_SETTINGS, "num_tasks", *_FIELDS} - set(state_dict))
         if missing:
             raise ValueError(f"state_dict: not a MemorablePast's (missing {missing})")
-        for key in ("per_task", "selection"):
+        for key in _SETTINGS:
             if state_dict[key] != getattr(self, key):
                 raise ValueError(
                     f"state_dict: holds {key}={state_dict[key]!r}, this memory has "
@@ -212,9 +456,16 @@ class MemorablePast:
     @classmethod
     def from_state_dict(cls, state_dict: dict[str, Any]) -> MemorablePast:
         """A memory rebuilt from :meth:`state_dict`."""
-        if "per_task" not in state_dict or "selection" not in state_dict:
-            raise ValueError("state_dict: not a MemorablePast's (no per_task or selection)")
-        memory = cls(int(state_dict["per_task"]), str(state_dict["selection"]))
+        missing = sorted(set(_SETTINGS) - set(state_dict))
+        if missing:
+            raise ValueError(f"state_dict: not a MemorablePast's (missing {missing})")
+        memory = cls(
+            int(state_dict["per_task"]),
+            str(state_dict["selection"]),
+            str(state_dict["use"]),
+            likelihood=str(state_dict["likelihood"]),
+            noise_variance=float(state_dict["noise_variance"]),
+        )
         memory.load_state_dict(state_dict)
         return memory
 
@@ -228,3 +479,23 @@ class MemorablePast:
     ) -> MemorablePast:
         """Read a file written by :meth:`save` (``torch.load(weights_only=True)``)."""
         return cls.from_state_dict(torch.load(path, map_location=map_location, weights_only=True))
+
+
+def _balanced_top(scores: Tensor, labels: Tensor, keep: int) -> Tensor:
+    """The rows of the ``keep`` highest ``scores``, split as evenly as possible over the
+    classes in ``labels`` (round-robin, lower labels first; a class with too few examples
+    gives the rest to the others): class after class, each in descending score."""
+    classes = labels.unique(sorted=True)
+    members = [(labels == c).nonzero().squeeze(1) for c in classes]
+    quota = [0] * len(members)
+    left = keep
+    while left:
+        for i, rows in enumerate(members):
+            if left and quota[i] < len(rows):
+                quota[i] += 1
+                left -= 1
+    chosen = []
+    for rows, q in zip(members, quota, strict=True):
+        order = scores[rows].sort(descending=True, stable=True).indices
+        chosen.append(rows[order[:q]])
+    return torch.cat(chosen)

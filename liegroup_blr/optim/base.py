@@ -60,7 +60,7 @@ from .distributed import (
 from .holding import Holding, holding
 from .options import EngineState
 from .outside import GONE, Foreign, unchanged
-from .prior import Prior, prior_for
+from .prior import Prior, check_strength, prior_for
 from .scratch import Scratch, state_dtype
 from .tensors import Deferred, GroupTensors, Proposal, Sample, SampleGrads, all_finite
 
@@ -1067,17 +1067,41 @@ class BLROptimizer(Optimizer):
             entries, point_estimate=self.point_convention, missing=missing, size=position
         )
 
-    def set_prior(self, posterior: Posterior | None, model: nn.Module | None = None) -> None:
-        """Use ``posterior`` as the prior: the update takes (τ/N)·∇KL(q ‖ posterior) in place
+    def set_prior(
+        self,
+        posterior: Posterior | None,
+        model: nn.Module | None = None,
+        *,
+        strength: float = 1.0,
+    ) -> None:
+        r"""Use ``posterior`` as the prior: the update takes (τ/N)·∇KL(q ‖ posterior) in place
         of the N(0, 1/δ) prior and the entropy term for every parameter it covers (``None``:
         back to those). A posterior keyed by names needs the ``model`` that names the
         parameters (else its entries are matched to the trained parameters in order).
 
+        ``strength`` w > 0 tempers the prior to :math:`q_\text{prev}^w/Z`: only the
+        cross-entropy is weighted, the entropy keeps weight 1,
+
+        .. math::
+            E_q[\bar\ell] + \frac{\tau}{N}\big[-H(q) - w\,E_q\log q_\text{prev}\big]
+            = E_q[\bar\ell] + \frac{\tau}{N}\,\mathrm{KL}(q\,\|\,q_\text{prev}^w/Z)
+            + \text{const},
+
+        whose gradient is :math:`\frac{\tau}{N}[w\nabla\mathrm{KL}(q\|q_\text{prev})
+        - (1 - w)\nabla H(q)]`. w = 1 (the default) is exact sequential Bayes; for a Gaussian
+        :math:`\mathcal N(m, P^{-1})` the tempered prior is :math:`\mathcal N(m, (wP)^{-1})`,
+        so w > 1 pulls back harder (with :class:`AffineBLR`'s Gaussian base the penalty on the
+        mean is :math:`w(N_\text{prev}H + \delta)/N`, EWC's at λ = w) and w < 1 lets the new
+        task move further; :class:`AdditiveBLR` (fixed covariance σ²I) feels it as the pull
+        :math:`w\tau/(N\sigma^2)\,(m - m_\text{prev})`. Saved in :meth:`state_dict`.
+
         Raises:
-            ValueError: in one line, for a posterior whose parameters, shapes, group or base
-                do not match, a Dirac base (infinite KL), or a covered parameter whose param
-                group has ``prior_precision > 0`` or ``weight_decay > 0``.
+            ValueError: in one line, for a ``strength`` that is not a finite float > 0, a
+                posterior whose parameters, shapes, group or base do not match, a Dirac base
+                (infinite KL), or a covered parameter whose param group has
+                ``prior_precision > 0`` or ``weight_decay > 0``.
         """
+        strength = check_strength(strength)
         if posterior is not None and self._mesh_param is not None:
             raise NotImplementedError(
                 "set_prior: not with sharded (DTensor, FSDP2) parameters yet; train the next "
@@ -1089,21 +1113,37 @@ class BLROptimizer(Optimizer):
         params = self._params()
         trained = [p for p in params if p.requires_grad]
         self._engine.prior = prior_for(
-            posterior, params, trained, model, self._param_group, self._group_of, self.mc_samples
+            posterior,
+            params,
+            trained,
+            model,
+            self._param_group,
+            self._group_of,
+            self.mc_samples,
+            strength,
         )
 
     @torch.no_grad()
-    def next_task(self, data_size: float) -> Posterior:
-        """Start the next task of a sequence: the current posterior becomes the prior
+    def next_task(self, data_size: float, *, strength: float = 1.0) -> Posterior:
+        r"""Start the next task of a sequence: the current posterior becomes the prior
         (:meth:`set_prior`), every param group's ``data_size`` becomes N_t = ``data_size`` and
         its ``prior_precision`` (and ``weight_decay``) 0 (the posterior replaces the N(0, 1/δ)
         prior), and the momenta are reset to 0. Kept: the elements (the task starts from the
         posterior), the step sizes and other hyperparameters, lr schedules, the noise
         generators and the skip count. Returns the new prior.
 
+        ``strength`` w > 0 makes the prior the tempered posterior :math:`q_\text{prev}^w/Z`
+        (:meth:`set_prior`): the objective is
+        :math:`E_q[\bar\ell] + \frac{\tau}{N}[-H(q) - w\,E_q\log q_\text{prev}]`, only the
+        cross-entropy weighted. w = 1 (the default): exact sequential Bayes; w > 1: a stronger
+        pull back to the previous posterior; w < 1: a weaker one.
+
         Raises:
+            ValueError: in one line, for a ``strength`` that is not a finite float > 0
+                (before anything changes).
             RuntimeError: between ``sampled_params(train=True)`` blocks and ``step()``.
         """
+        strength = check_strength(strength)
         if self._engine.samples:
             raise RuntimeError("next_task() between sampled_params(train=True) and step()")
         for group in self.param_groups:
@@ -1113,7 +1153,7 @@ class BLROptimizer(Optimizer):
                 group["weight_decay"] = 0.0
             self._validate(group)
         posterior = self.posterior()
-        self.set_prior(posterior)
+        self.set_prior(posterior, strength=strength)
         for state in self.state.values():
             state["momentum"].zero_()
         return posterior
@@ -1130,7 +1170,8 @@ class BLROptimizer(Optimizer):
         :meth:`load_state_dict` keeps those the optimizer was built with) but with the rule
         that made them, ``"seed"``, ``"rng"`` (the training generators, as they were before
         the parameters' resident sample, which loading draws again), ``"predict_rng"``,
-        ``"skipped_steps"`` and the prior's elements by position (``"prior"``).
+        ``"skipped_steps"`` and the prior's elements by position (``"prior"``) and strength
+        (``"prior_strength"``).
         """
         if self._engine.block == "sampled_params" or self._engine.samples:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
@@ -1156,6 +1197,7 @@ class BLROptimizer(Optimizer):
         sd["skipped_steps"] = self._engine.skipped
         if self._engine.prior is not None:
             sd["prior"] = self._engine.prior.state_dict(params)
+            sd["prior_strength"] = self._engine.prior.strength
         for hook in post_hooks.values():
             result = hook(self, sd)
             if result is not None:
@@ -1173,7 +1215,7 @@ class BLROptimizer(Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        keys = ("rng", "predict_rng", "seed", "skipped_steps", "prior")
+        keys = ("rng", "predict_rng", "seed", "skipped_steps", "prior", "prior_strength")
         extras = {k: state_dict.pop(k) for k in keys if k in state_dict}
         self._check_rules(state_dict["param_groups"])
         state_dict["param_groups"] = [
@@ -1226,7 +1268,8 @@ class BLROptimizer(Optimizer):
                 }
 
     def _load_engine(self, extras: dict[str, Any]) -> None:
-        """The noise generators, skip count and prior of a state dict."""
+        """The noise generators, skip count and prior of a state dict (a prior saved without
+        ``"prior_strength"``, before it could be set, has strength 1)."""
         if "rng" in extras:
             self.noise_source.load_state_dict(
                 {
@@ -1245,10 +1288,12 @@ class BLROptimizer(Optimizer):
             )
         self._engine.skipped = int(extras.get("skipped_steps", 0))
         saved = extras.get("prior")
-        prior = (
-            None if saved is None else Prior.from_state_dict(saved, self._params(), self.mc_samples)
+        strength = extras.get("prior_strength", 1.0)
+        self._engine.prior = (
+            None
+            if saved is None
+            else Prior.from_state_dict(saved, self._params(), self.mc_samples, strength)
         )
-        self._engine.prior = prior
 
     def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         """Fill in what param groups of older state dicts lack."""

@@ -6,7 +6,19 @@ For task t with N_t examples the tempered sequential objective is
 .. math:: E_q[\bar\ell_t(\theta)] + \frac{\tau}{N_t}\,\mathrm{KL}(q \,\|\, q_{t-1}),
 
 whose algebra gradient adds :math:`\frac{\tau}{N_t}\nabla_X \mathrm{KL}(q_{g\exp X}\,\|\,q_h)`
-(:func:`liegroup_blr.kl.kl_gradient`, the entropy's part included) to the loss's. A parameter
+(:func:`liegroup_blr.kl.kl_gradient`, the entropy's part included) to the loss's.
+
+A prior of strength w > 0 (``strength``) is the tempered prior :math:`q_{t-1}^w/Z`: only the
+cross-entropy is weighted, the entropy keeps weight 1,
+
+.. math::
+    E_q[\bar\ell_t] + \frac{\tau}{N_t}\big[-H(q) - w\,E_q \log q_{t-1}\big]
+    = E_q[\bar\ell_t] + \frac{\tau}{N_t}\,\mathrm{KL}(q \,\|\, q_{t-1}^w/Z) + \text{const},
+
+with the gradient :math:`\frac{\tau}{N_t}\big[w\nabla_X\mathrm{KL}(q\|q_{t-1})
+- (1 - w)\nabla_X H(q)\big]`. w = 1 is exact sequential Bayes; for a Gaussian
+:math:`q_{t-1} = \mathcal N(m, P^{-1})`, :math:`q_{t-1}^w/Z = \mathcal N(m, (wP)^{-1})`: w > 1
+pulls back harder, w < 1 lets the new task move further. A parameter
 the prior does not cover (a new head) keeps its param group's regularisers: the entropy and
 the N(0, 1/δ) prior. :class:`Prior` holds the prior's elements and computes that part;
 :func:`prior_for` checks a posterior against an optimizer's parameters and makes one.
@@ -14,6 +26,8 @@ the N(0, 1/δ) prior. :class:`Prior` holds the prior's elements and computes tha
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -28,21 +42,43 @@ from ..posterior import Posterior
 from ..posterior_io import describe_base
 from .scratch import state_dtype
 
-__all__ = ["Prior", "prior_for"]
+__all__ = ["Prior", "check_strength", "prior_for"]
+
+
+def check_strength(strength: Any) -> float:
+    """``strength`` as a float, checked: finite and > 0.
+
+    Raises:
+        ValueError: in one line, naming the argument.
+    """
+    if isinstance(strength, bool) or not isinstance(strength, numbers.Real):
+        raise ValueError(f"strength: expected a finite float > 0, got {strength!r}")
+    value = float(strength)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"strength: expected a finite float > 0, got {strength!r}")
+    return value
 
 
 class Prior:
-    """Each covered parameter's prior element h (in its state's dtype and device), checked
-    against the optimizer's groups and bases when it was set.
+    r"""Each covered parameter's prior element h (in its state's dtype and device), checked
+    against the optimizer's groups and bases when it was set, and the prior's strength w: the
+    prior is :math:`q_h^w/Z` (the module's docstring).
 
     Args:
         elements: prior element by parameter.
         kl_samples: Monte-Carlo draws of a KL gradient without a closed form, per step.
+        strength: w, a finite float > 0; 1: the posterior itself (exact sequential Bayes).
+
+    Raises:
+        ValueError: in one line, for a ``strength`` that is not a finite float > 0.
     """
 
-    def __init__(self, elements: dict[Tensor, Tensor], kl_samples: int) -> None:
+    def __init__(
+        self, elements: dict[Tensor, Tensor], kl_samples: int, *, strength: float = 1.0
+    ) -> None:
         self.elements = elements
         self.kl_samples = kl_samples
+        self.strength = check_strength(strength)
 
     def covers(self, params: list[Tensor]) -> bool:
         """Whether the prior covers any of ``params``."""
@@ -58,10 +94,14 @@ class Prior:
         entropy: Callable[[Tensor], Tensor],
         generator: Callable[[torch.device], torch.Generator],
     ) -> list[Tensor]:
-        r"""Per parameter ``keys[i]`` with element ``elements[i]``:
-        :math:`w\nabla_X\mathrm{KL}(q_g\|q_h)` where covered, the entropy's
-        :math:`-w\nabla_X\log|\det J|` (``entropy(element)``) elsewhere; w = τ/N (``weight``)."""
+        r"""Per parameter ``keys[i]`` with element ``elements[i]``, with c = τ/N (``weight``)
+        and w = :attr:`strength`: where covered,
+        :math:`c\,[w\nabla_X\mathrm{KL}(q_g\|q_h) - (1 - w)\nabla_X H(q_g)]`, the
+        gradient of :math:`c\,\mathrm{KL}(q_g\|q_h^w/Z)` (:math:`\nabla_X H =
+        \nabla_X\log|\det J|`, ``entropy(element)``; the second term is left out at w = 1
+        and for a group of constant entropy); elsewhere the entropy's :math:`-c\nabla_X H`."""
         out = []
+        w = self.strength
         for p, g in zip(keys, elements, strict=True):
             h = self.elements.get(p)
             if h is None:
@@ -70,7 +110,13 @@ class Prior:
             grad = kl_gradient(
                 G, base, g, h, num_samples=self.kl_samples, generator=generator(g.device)
             )
-            out.append(grad.mul_(weight))
+            if w == 1.0:
+                out.append(grad.mul_(weight))
+                continue
+            grad.mul_(weight * w)
+            if not G.constant_entropy:
+                grad.sub_(entropy(g), alpha=(1.0 - w) * weight)
+            out.append(grad)
         return out
 
     def state_dict(self, params: list[Tensor]) -> dict[int, Tensor]:
@@ -78,12 +124,19 @@ class Prior:
         return {i: self.elements[p] for i, p in enumerate(params) if p in self.elements}
 
     @classmethod
-    def from_state_dict(cls, saved: dict[int, Tensor], params: list[Tensor], kl_samples: int):
-        """:meth:`state_dict` loaded over ``params``, each element in its state dtype."""
+    def from_state_dict(
+        cls,
+        saved: dict[int, Tensor],
+        params: list[Tensor],
+        kl_samples: int,
+        strength: float = 1.0,
+    ):
+        """:meth:`state_dict` loaded over ``params``, each element in its state dtype, with the
+        saved ``strength`` (1 for a state dict saved without one)."""
         elements = {
             params[i]: h.to(params[i].device, state_dtype(params[i])) for i, h in saved.items()
         }
-        return cls(elements, kl_samples)
+        return cls(elements, kl_samples, strength=strength)
 
 
 def prior_for(
@@ -94,15 +147,19 @@ def prior_for(
     group_of: Callable[[Tensor], dict[str, Any]],
     lie_group_of: Callable[[dict[str, Any]], LieGroup],
     kl_samples: int,
+    strength: float = 1.0,
 ) -> Prior:
     """The prior ``posterior`` makes for an optimizer's parameters ``params`` (``trained``: the
-    trained ones), each matched by name through ``model``, else by position.
+    trained ones), each matched by name through ``model``, else by position, at ``strength``
+    w (the prior :math:`q^w/Z`).
 
     Raises:
-        ValueError: in one line, for a posterior whose parameters, shapes, group or base do
-            not match, a Dirac base (infinite KL), or a covered parameter whose param group
-            has ``prior_precision > 0`` or ``weight_decay > 0``.
+        ValueError: in one line, for a ``strength`` that is not a finite float > 0, a
+            posterior whose parameters, shapes, group or base do not match, a Dirac base
+            (infinite KL), or a covered parameter whose param group has
+            ``prior_precision > 0`` or ``weight_decay > 0``.
     """
+    strength = check_strength(strength)
     if not isinstance(posterior, Posterior):
         raise ValueError(f"prior: expected a liegroup_blr.Posterior, got {posterior!r}")
     elements = {}
@@ -133,7 +190,7 @@ def prior_for(
                     f"replaces the N(0, 1/δ) prior; set {name}=0"
                 )
         elements[p] = entry.element.detach().to(p.device, state_dtype(p), copy=True)
-    return Prior(elements, kl_samples)
+    return Prior(elements, kl_samples, strength=strength)
 
 
 def _match(

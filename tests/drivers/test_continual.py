@@ -418,6 +418,42 @@ def test_the_prior_removed_keeps_the_first_task_s_regularisers(tmp_path: Path) -
         assert state["param_groups"][0]["data_size"] == 800  # the second task's
 
 
+def test_each_memory_example_counts_as_one_of_the_task_and_the_prior_strength_is_passed_on(
+    tmp_path: Path,
+) -> None:
+    """The closure adds ``memory_strength`` × (M/|B|)/N × Σ r_j over the memory rows B (each
+    memory example one of the task's N, the K-prior's KL from the old predictions), an EWC
+    baseline keeps a functional memory from its point estimate, and ``prior_strength``
+    reaches the optimizer's prior."""
+    raw = smoke(stream={"tasks": 3})
+    raw["methods"]["ewc_kprior"] = {**raw["methods"]["ewc"], "memory": 10, "memory_strength": 7.0}
+    raw["methods"]["strong_prior"] = {**raw["methods"]["affine"], "prior_strength": 5.0}
+    for label in ("ewc_kprior", "strong_prior"):
+        continual.run(continual.resolve(raw, label, 0), tmp_path / label)
+    state = torch.load(tmp_path / "strong_prior" / "checkpoint.pt", weights_only=True)
+    assert state["optimizer"]["prior_strength"] == 5.0
+    learner = continual.build(continual.resolve(raw, "ewc_kprior", 0))
+    continual._restore(learner, tmp_path / "ewc_kprior" / continual.CHECKPOINT)
+    memory = learner.memory
+    assert memory is not None and (memory.selection, memory.use, len(memory)) == (
+        "lambda",
+        "kprior",
+        20,
+    )
+    task = learner.tasks[2]
+    x, y, size = task.train_x[:8], task.train_y[:8], len(task.train_y)
+    rows = torch.tensor([3, 15])
+    closure = continual._closure(learner, x, y, learner.masks[2].expand(8, -1), rows, size)
+    with torch.no_grad():
+        now = learner.model(memory.inputs[rows]).gather(1, learner.columns[memory.tasks[rows]])
+        data_term = torch.nn.functional.cross_entropy(learner.model(x) + learner.masks[2], y)
+        p_old = memory.outputs_old[rows].softmax(-1)
+        kl = (p_old * (p_old.log() - now.log_softmax(-1))).sum(-1)
+        penalty = learner.ewc.penalty(learner.model)  # type: ignore[union-attr]
+    expected = data_term + penalty + 7.0 * (20 / 2) * kl.sum() / size
+    torch.testing.assert_close(closure(), expected, rtol=1e-5, atol=1e-7)
+
+
 def test_a_memory_keeps_examples_of_every_finished_task_on_its_head(tmp_path: Path) -> None:
     raw = smoke(stream={"tasks": 3})
     cfg = continual.resolve(raw, "affine_memory", 0)
@@ -442,10 +478,10 @@ def test_replaying_the_memory_keeps_the_first_task(tmp_path: Path) -> None:
     strong one keeps the memory fitted (a smaller replay loss at the end) and with it task 1,
     from the same first task and data order."""
     raw = smoke(stream={"heads": "single"})
-    memory = raw["methods"]["affine_memory"]
+    memory = {**raw["methods"]["affine_memory"], "memory_use": "replay"}
     raw["methods"] = {
         "weak": {**memory, "memory_strength": 1e-3},
-        "strong": {**memory, "memory_strength": 10.0},
+        "strong": {**memory, "memory_strength": 100.0},
     }
     matrices, replay = {}, {}
     for label in raw["methods"]:
@@ -455,7 +491,7 @@ def test_replaying_the_memory_keeps_the_first_task(tmp_path: Path) -> None:
         learner.model.load_state_dict(torch.load(tmp_path / label / "checkpoint.pt")["model"])
         kept = lgb.MemorablePast.load(tmp_path / label / continual.MEMORY)
         with torch.no_grad():
-            replay[label] = kept.loss(learner.model(kept.inputs)).item()
+            replay[label] = kept.loss(learner.model(kept.inputs), data_size=1).item()
     weak, strong = matrices["weak"], matrices["strong"]
     assert weak[0][0] == strong[0][0]  # the same first task
     assert replay["strong"] < replay["weak"] / 2
@@ -583,7 +619,41 @@ def test_bad_tuning_configs_are_clear_errors(
             {"methods": {"x": {"strategy": "posterior", "memory_strength": 0.0, **AFFINE}}},
             "memory_strength must be > 0",
         ),
-        ({"methods": {"x": {"strategy": "finetune", "memory": 5, **ADAM}}}, "'memory'"),
+        ({"methods": {"x": {"strategy": "joint", "memory": 5, **ADAM}}}, "'memory'"),
+        (
+            {
+                "methods": {
+                    "x": {"strategy": "ewc", "ewc_lambda": 1.0, "memory": 5, **ADAM}
+                    | {"memory_selection": "sensitivity"}
+                }
+            },
+            "memory_selection: 'sensitivity' needs a posterior",
+        ),
+        (
+            {"methods": {"x": {"strategy": "posterior", "memory_use": "kl", **AFFINE}}},
+            "memory_use: unknown 'kl'",
+        ),
+        (
+            {
+                "methods": {
+                    "x": {"strategy": "finetune", "memory": 5, "memory_use": "fromp", **ADAM}
+                }
+            },
+            "memory_use: 'fromp' needs a posterior",
+        ),
+        (
+            {"methods": {"x": {"strategy": "posterior", "prior_strength": 0.0, **AFFINE}}},
+            "prior_strength must be finite and > 0",
+        ),
+        (
+            {
+                "methods": {
+                    "x": {"strategy": "posterior", "prior": "initial", "prior_strength": 2.0}
+                    | AFFINE
+                }
+            },
+            "prior_strength: 2.0 weights the previous posterior",
+        ),
     ],
 )
 def test_bad_configs_are_one_line_errors(change: dict[str, Any], message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+from functools import partial
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from torch.distributions import Normal, StudentT
 import liegroup_blr as lgb
 from liegroup_blr.distributions import Dirac
 from liegroup_blr.groups import DiagonalAffineGroup
+from liegroup_blr.kl import kl_gradient
+from liegroup_blr.optim.prior import Prior
 from tests.library.test_optim import closure_for, make_problem, snapshot
 
 D = torch.float64
@@ -85,6 +88,147 @@ def test_two_tasks_in_sequence_reach_the_tempered_posterior_of_both(seed):
     mean = (N1 * A1 * C1 + N2 * A2 * C2) / (N1 * A1 + N2 * A2 + DELTA)
     assert float(((second["b"] - mean) * precision.sqrt()).abs().max()) < 0.6
     torch.testing.assert_close(second["A"] * SIGMA, precision.rsqrt(), rtol=0.06, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strength", [0.5, 3.0])
+def test_a_prior_of_strength_w_gives_the_posterior_of_the_tempered_prior(strength):
+    """As above, task 2 with ``next_task(strength=w)``: the prior is task 1's posterior
+    N(m₁, P₁⁻¹) tempered to N(m₁, (wP₁)⁻¹), and task 2 ends at the Bayes update of that prior,
+    per coordinate precision wP₁ + N₂a₂/τ and mean (wP₁m₁ + N₂a₂c₂/τ)/(wP₁ + N₂a₂/τ). The
+    mean is exact (antithetic pairs); the scale within its Monte-Carlo noise (≤ 4.4 % above).
+    Weighting the whole KL by w (the entropy too) would give the precision N₂a₂/(wτ) + P₁."""
+    theta = nn.Parameter(torch.zeros(4, dtype=D))
+    opt = lgb.AffineBLR(
+        [theta],
+        lr=0.3,
+        scale_lr=20.0,
+        momentum=0.0,
+        scale_momentum=0.0,
+        base=Normal(0.0, SIGMA),
+        data_size=N1,
+        temperature=TAU,
+        prior_precision=DELTA,
+        mc_samples=16,
+        antithetic=True,
+        seed=0,
+    )
+    _train(opt, theta, A1, C1)
+    prior = opt.next_task(data_size=N2, strength=strength)
+    assert opt._engine.prior.strength == strength
+    _train(opt, theta, A2, C2)
+    second = opt.group_element(theta)
+    h = prior[0].element
+    tempered = strength / (h[0] * SIGMA) ** 2  # wP₁
+    precision = tempered + N2 * A2 / TAU
+    torch.testing.assert_close(
+        second["b"], (tempered * h[1] + N2 * A2 * C2 / TAU) / precision, rtol=0, atol=1e-5
+    )
+    torch.testing.assert_close(second["A"] * SIGMA, precision.rsqrt(), rtol=0.08, atol=0)
+
+
+@pytest.mark.parametrize("strength", [0.5, 3.0])
+def test_a_prior_of_strength_w_weights_the_cross_entropy_alone(strength):
+    """Prior.gradients at strength w is (τ/N)∇KL(q ‖ q_h^w/Z), exactly: for the affine group
+    with a Gaussian base the KL to N(b_h, (A_hσ)²/w) (the tempered Gaussian); for the
+    multiplicative group with a Rayleigh base, whose tempered prior is no Rayleigh, zero at
+    g = h·√((1 + w)/(2w)) per part (2w r² − (1 + w) = 0), h itself only at w = 1."""
+    gen = torch.Generator().manual_seed(0)
+    theta = nn.Parameter(torch.zeros(3, dtype=D))
+    base = Normal(0.0, 0.2)
+    opt = lgb.AffineBLR([theta], lr=0.1, scale_lr=0.1, base=base, data_size=10)
+    G = opt.lie_group
+    g = torch.stack((torch.rand(3, generator=gen, dtype=D) + 0.5, torch.randn(3, dtype=D)))
+    h = torch.stack((torch.rand(3, generator=gen, dtype=D) + 0.5, torch.randn(3, dtype=D)))
+    generator = opt.noise_source.generator
+    prior = Prior({theta: h}, 1, strength=strength)
+    got = prior.gradients(G, base, [theta], [g], 0.25, partial(opt._entropy, G), generator)
+    tempered = torch.stack((h[0] / strength**0.5, h[1]))
+    torch.testing.assert_close(got[0], 0.25 * kl_gradient(G, base, g, tempered))
+
+    opt = lgb.MultiplicativeBLR([theta], lr=0.1, data_size=10)
+    G, base = opt.lie_group, opt.param_groups[0]["base"]
+    h = torch.rand(2, 3, generator=gen, dtype=D) + 0.5
+    at = h * ((1 + strength) / (2 * strength)) ** 0.5
+    prior = Prior({theta: h}, 1, strength=strength)
+    entropy = partial(opt._entropy, G)
+    got = prior.gradients(G, base, [theta], [at], 0.25, entropy, generator)
+    torch.testing.assert_close(got[0], torch.zeros_like(h), rtol=0, atol=1e-12)
+    off = prior.gradients(G, base, [theta], [h], 0.25, entropy, generator)
+    torch.testing.assert_close(off[0], torch.full_like(h, 0.25 * (strength - 1)))
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.5, 3.0])
+def test_the_additive_rules_prior_is_an_isotropic_pull_of_strength_w(strength):
+    """The additive rule's covariance σ²I is fixed (constant entropy), so the prior's whole
+    effect is the pull w·τ/(Nσ²)·(m − m_prev): one step without a loss gradient (momentum 0)
+    moves m by −α·w·τ/(Nσ²)·(m − m_prev), whatever the draws."""
+    lr, n, tau, sigma = 0.05, 10.0, 0.5, 0.125  # σ exact in the base's float32
+    theta = nn.Parameter(torch.tensor([0.3, -1.0, 2.0], dtype=D))
+    make = partial(
+        lgb.AdditiveBLR, lr=lr, momentum=0.0, base=Normal(0.0, sigma), data_size=n, temperature=tau
+    )
+    prev = torch.tensor([1.0, 0.5, -0.5], dtype=D)
+    source = make([nn.Parameter(prev.clone())])
+    opt = make([theta], seed=1)
+    opt.set_prior(source.posterior(), strength=strength)
+    m = theta.detach().clone()
+
+    def closure():
+        opt.zero_grad()
+        loss = theta.sum() * 0.0
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    moved = opt.state[theta]["element"] - m
+    torch.testing.assert_close(
+        moved, -lr * strength * tau / (n * sigma**2) * (m - prev), rtol=1e-12, atol=1e-15
+    )
+
+
+def test_the_prior_strength_is_saved_resumed_bit_for_bit_and_checked():
+    """A run with a prior of strength 3 resumes from its state dict bit for bit (the strength
+    comes with it); a state dict saved before strengths (no ``"prior_strength"``) loads as
+    w = 1; a strength that is not a finite float > 0 is refused, naming the argument, before
+    next_task changes anything."""
+    model, x, y = make_problem()
+
+    def make(ps, **kw):
+        return lgb.AffineBLR(ps, lr=0.1, scale_lr=0.05, base=Normal(0.0, 0.05), data_size=32, **kw)
+
+    opt = make(model.parameters(), seed=3)
+    opt.step(closure_for(opt, model, x, y))
+    opt.next_task(data_size=20, strength=3.0)
+    opt.step(closure_for(opt, model, x, y))
+    saved_model = copy.deepcopy(model.state_dict())
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    for _ in range(2):
+        opt.step(closure_for(opt, model, x, y))
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert saved["prior_strength"] == 3.0
+    net = copy.deepcopy(model)
+    net.load_state_dict(saved_model)
+    resumed = make(net.parameters(), seed=3)
+    resumed.load_state_dict(saved)
+    assert resumed._engine.prior.strength == 3.0
+    for _ in range(2):
+        resumed.step(closure_for(resumed, net, x, y))
+    for a, b in zip(snapshot(resumed, net), snapshot(opt, model), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    old = {k: v for k, v in saved.items() if k != "prior_strength"}
+    resumed.load_state_dict(old)
+    assert resumed._engine.prior.strength == 1.0
+
+    for bad in (0.0, -1.0, float("nan"), float("inf"), True, "2", None):
+        with pytest.raises(ValueError, match=r"^strength: expected a finite float > 0"):
+            resumed.next_task(data_size=7, strength=bad)
+        with pytest.raises(ValueError, match=r"^strength: "):
+            resumed.set_prior(resumed.posterior(), strength=bad)
+    assert resumed.param_groups[0]["data_size"] == 20 and resumed._engine.prior.strength == 1.0
 
 
 def _prior_and_model(kind, gen):
