@@ -82,6 +82,8 @@ MEMORY: dict[str, Any] = {
     "retrain_epochs": [2, 5, 10],
     "retrain_lr": 0.1,
     "flip": 30,
+    "converged": {},
+    "loo": {},
 }
 """The ``[memory]`` table with its defaults: ``samples`` posterior samples (for the sample
 form and for the true change), ``batch_size`` examples per batch of the memory map, ``top``
@@ -89,7 +91,10 @@ highest-scored and ``random`` random examples to retrain, the epochs of retraini
 which the change is read (``retrain_epochs``, increasing; it retrains to the last),
 ``retrain_lr`` its step size as a factor of the run's initial one (constant), ``flip``
 labels changed for the mislabelling experiment (0: none), searched for among each score's
-``flip`` highest."""
+``flip`` highest. The sub-tables ``[memory.converged]`` and ``[memory.loo]`` belong to the
+sibling drivers ``experiments.memory_converged`` (leave-one-out retraining to convergence)
+and ``experiments.memory_loo`` (model selection by the estimated leave-one-out NLL), which
+check them; this driver ignores them."""
 
 SCORES: dict[str, dict[str, Any]] = {
     "probabilities": {"change": "probabilities"},

@@ -14,6 +14,8 @@ DRIVERS = {
     "tune": ("CONFIG.toml", "grids of the runs on a validation split"),
     "continual": ("CONFIG.toml", "task streams (continual learning)"),
     "memory_map": ("CONFIG.toml | RUN_FOLDER", "memory maps, checked against retraining"),
+    "memory_converged": ("CONFIG.toml", "memory maps against retraining to convergence"),
+    "memory_loo": ("CONFIG.toml", "the estimated leave-one-out NLL across prior precisions"),
     "peers": ("CONFIG.toml", "the runs and post-hoc Laplace fits (the peers' environment)"),
 }
 """The drivers a helper module can name: their arguments and what they do."""

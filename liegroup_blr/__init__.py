@@ -24,7 +24,7 @@ from . import (
 )
 from .mc import mc_step
 from .memorable import MemorablePast
-from .memory import MemoryMap, memory_map, sensitivity
+from .memory import MemoryMap, loo_nll, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
 
@@ -40,6 +40,7 @@ __all__ = [
     "fisher",
     "groups",
     "kl",
+    "loo_nll",
     "mc",
     "mc_step",
     "memorable",

@@ -18,6 +18,9 @@ prediction error times prediction variance,
 or (``change="probabilities"``) the paper's change of the probabilities,
 :math:`\sum_k |e_{ik}\lambda_{ik}v_{ik}|`, which vanishes where the softmax saturates.
 
+:func:`loo_nll` turns the same quantities into the leave-one-out NLL of the training set,
+estimated from the posterior alone (the paper's model-selection criterion).
+
 The prediction variance :math:`v_i` comes from the Jacobian form or from posterior samples
 (:data:`METHODS`). A rule trained at temperature :math:`\tau` learns about :math:`\tau` times
 the posterior covariance; the equation needs the untempered one, so :math:`V_i` is divided by
@@ -40,7 +43,15 @@ from torch.func import functional_call, vjp, vmap
 from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
 from .posterior import Posterior, PosteriorEntry, holder
 
-__all__ = ["METHODS", "REGIONS", "MemoryMap", "memory_map", "prediction_variance", "sensitivity"]
+__all__ = [
+    "METHODS",
+    "REGIONS",
+    "MemoryMap",
+    "loo_nll",
+    "memory_map",
+    "prediction_variance",
+    "sensitivity",
+]
 
 METHODS = ("auto", "jacobian", "samples")
 """Estimates of the prediction variance. ``"jacobian"`` (:math:`\\operatorname{diag}
@@ -53,6 +64,12 @@ REGIONS = ("regular", "unpredictable", "uncertain")
 prediction error and variance), ``"unpredictable"`` (large error, small variance: the model
 is sure and wrong), ``"uncertain"`` (large variance, whatever the error)."""
 
+LOO_FORMS = ("corrected", "first_order")
+"""Forms of the leave-one-out prediction of :func:`loo_nll`: ``"corrected"`` (the default,
+:math:`f_i + V_i(I - \\Lambda_i V_i)^{-1}e_i`, exact for Bayesian linear regression) and
+``"first_order"`` (the memory-perturbation equation's :math:`f_i + V_i e_i`)."""
+
+REDUCTIONS = ("mean", "sum", "none")
 LIKELIHOODS = ("categorical", "gaussian")
 CHANGES = ("probabilities", "logits")
 _DIAGONAL_GROUPS = (AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup)
@@ -255,6 +272,92 @@ def prediction_variance(
     with _evaluating(model):
         moments = _moments(model, post, inputs, method, samples, batch_size, generator, cross_class)
         return torch.cat([V for _, _, V in moments]) / tau
+
+
+def loo_nll(
+    model: nn.Module,
+    posterior: Posterior | Any,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    form: str = "corrected",
+    reduction: str = "mean",
+    samples: int = 64,
+    batch_size: int = 256,
+    generator: torch.Generator | None = None,
+    temperature: float | None = None,
+    method: str = "auto",
+    cross_class: bool = False,
+    likelihood: str = "categorical",
+    noise_variance: float = 1.0,
+) -> Tensor:
+    r"""The leave-one-out negative log-likelihood estimated from the posterior alone: for every
+    example, the NLL of its target under the prediction it would get were it left out of
+    training, estimated without retraining (the memory-perturbation paper's leave-one-out
+    estimate, Nickl et al. 2023, its Eq. for :math:`f_i^{\setminus i}` and Figs 1b, 4, 5).
+
+    With the mean logits :math:`f_i`, the residual :math:`e_i = \nabla_f\ell_i`, the
+    untempered prediction (co)variance :math:`V_i` and the likelihood's curvature in the
+    logits :math:`\Lambda_i` (as in :func:`memory_map`: diagonal, :math:`v_i` and
+    :math:`\lambda_i`, unless ``cross_class``), the leave-one-out prediction is
+
+    - ``form="corrected"`` (the default): :math:`f_i^{\setminus i} = f_i + V_i(I - \Lambda_i
+      V_i)^{-1} e_i` (diagonal: :math:`f_{ik} + v_{ik}e_{ik}/(1 - \lambda_{ik}v_{ik})`),
+      with the variance :math:`V_i^{\setminus i} = V_i(I - \Lambda_i V_i)^{-1}`: removing
+      the example's curvature :math:`J_i^\top\Lambda_iJ_i` from the posterior precision
+      (Sherman–Morrison) and one Newton step of the mean. For Bayesian linear regression
+      (Gaussian likelihood, exact Gaussian posterior) both are exact: the mean and the
+      variance of the leave-one-out posterior predictive.
+    - ``form="first_order"``: the memory-perturbation equation as in :func:`memory_map`,
+      :math:`f_i^{\setminus i} \approx f_i + V_i e_i`, with the variance :math:`V_i`. It
+      misses the exact leave-one-out mean of Bayesian linear regression by its second-order
+      term :math:`v e\,\lambda v/(1 - \lambda v)` and the variance by :math:`\lambda
+      v^2/(1 - \lambda v)`: small where the example's leverage :math:`\lambda v` is small.
+
+    The NLL: for a Gaussian likelihood of noise variance σ², that of the leave-one-out
+    predictive :math:`\mathcal N(y_i;\, f_i^{\setminus i},\, V_i^{\setminus i} + \sigma^2
+    I)` (summed over the outputs; a multivariate normal with ``cross_class``); for a
+    categorical likelihood, :math:`-\log \operatorname{softmax}(f_i^{\setminus i})_{y_i}`:
+    the predicted probabilities at the shifted logits (a plug-in, as the paper; the variance
+    enters only through the shift). The prediction :math:`f_i` is the logits at the
+    posterior mean (``method="jacobian"``) or their mean over posterior samples
+    (``"samples"``), as in :func:`memory_map`; :math:`V_i` is divided by τ.
+
+    Args:
+        form: ``"corrected"`` or ``"first_order"`` (:data:`LOO_FORMS`).
+        reduction: ``"mean"`` (a scalar, the leave-one-out NLL of the data set), ``"sum"``
+            or ``"none"`` (``[n]``, one value per example).
+        others: as :func:`memory_map`.
+
+    Returns:
+        The mean (or sum) NLL as a 0-dim tensor, or ``[n]`` per-example values, on the
+        device of the model's parameters, in the dtype of its outputs.
+
+    Raises:
+        ValueError: naming the argument, as :func:`memory_map`; ``form`` if the corrected
+            form is undefined for an example (:math:`\lambda_{ik}v_{ik} \ge 1`, or
+            :math:`I - \Lambda_iV_i` singular: the example's own curvature exceeds the
+            posterior's, which an exact Gaussian posterior rules out; use
+            ``form="first_order"``).
+    """
+    if form not in LOO_FORMS:
+        raise ValueError(f"form: must be one of {LOO_FORMS}, got {form!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: must be one of {REDUCTIONS}, got {reduction!r}")
+    post, tau = _posterior(posterior, model, temperature)
+    method = _method(post, method)
+    _check_options(inputs, targets, samples, batch_size, likelihood, noise_variance, "logits")
+    parts = []
+    with _evaluating(model):
+        for rows, f, V in _moments(
+            model, post, inputs, method, samples, batch_size, generator, cross_class
+        ):
+            y = targets[rows].to(f.device)
+            parts.append(_loo_nll(f, V / tau, y, likelihood, noise_variance, form))
+    nll = torch.cat(parts)
+    if reduction == "none":
+        return nll
+    return nll.mean() if reduction == "mean" else nll.sum()
 
 
 # ------------------------------------------------------------------- arguments
@@ -486,3 +589,59 @@ def _score(
         else:
             moved = (pred - pred.square()) * moved
     return moved.abs().sum(-1), e, pred
+
+
+def _loo_nll(
+    f: Tensor, V: Tensor, y: Tensor, likelihood: str, noise_variance: float, form: str
+) -> Tensor:
+    """Per example of a batch, the NLL of ``y`` at the leave-one-out prediction (:func:`loo_nll`)
+    from the mean logits ``f`` ``[B, K]`` and the untempered (co)variance ``V``."""
+    _, e, pred = _score(f, V, y, likelihood, noise_variance, "logits")
+    full = V.ndim == 3
+    K = f.shape[-1]
+    if likelihood == "gaussian":
+        lam = torch.full_like(f, 1 / noise_variance)
+    else:
+        lam = pred - pred.square()
+    if full:
+        Lam = (
+            torch.diag_embed(lam)
+            if likelihood == "gaussian"
+            else (torch.diag_embed(pred) - pred[:, :, None] * pred[:, None, :])
+        )
+        if form == "corrected":
+            eye = torch.eye(K, dtype=V.dtype, device=V.device)
+            inner = eye - Lam @ V  # (I − ΛV); V(I − ΛV)⁻¹ = (I − VΛ)⁻¹V
+            # ΛV has real eigenvalues ≥ 0 (a product of two PSD matrices); all must be < 1
+            if bool((torch.linalg.eigvals(Lam @ V).real >= 1).any()):
+                raise ValueError(_UNDEFINED)
+            z = torch.linalg.solve(inner, e[..., None])[..., 0]
+            V_loo = torch.linalg.solve(eye - V @ Lam, V)
+        else:
+            z, V_loo = e, V
+        shift = (V @ z[..., None])[..., 0]
+    else:
+        if form == "corrected":
+            keep = 1 - lam * V
+            if bool((keep <= 0).any()):
+                raise ValueError(_UNDEFINED)
+            shift, V_loo = V * e / keep, V / keep
+        else:
+            shift, V_loo = V * e, V
+    f_loo = f + shift
+    if likelihood == "gaussian":
+        target = y.reshape(f.shape).to(f.dtype)
+        if full:
+            cov = V_loo + noise_variance * torch.eye(K, dtype=V.dtype, device=V.device)
+            dist = torch.distributions.MultivariateNormal(f_loo, covariance_matrix=cov)
+            return -dist.log_prob(target)
+        var = V_loo + noise_variance
+        return 0.5 * (torch.log(2 * math.pi * var) + (target - f_loo).square() / var).sum(-1)
+    return -torch.log_softmax(f_loo, dim=-1).gather(-1, y.long()[:, None])[:, 0]
+
+
+_UNDEFINED = (
+    "form: the corrected leave-one-out prediction is undefined for some example (its own "
+    "curvature times its prediction variance, λv, reaches 1: the posterior is narrower than "
+    "that example alone would make it); use form='first_order'"
+)

@@ -41,19 +41,9 @@ def _train(opt, theta, a, c, steps=500):
         sched.step()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1])
-def test_two_tasks_in_sequence_reach_the_tempered_posterior_of_both(seed):
-    """Task 1 with the N(0, 1/δ) prior, task 2 with task 1's posterior as prior (affine rule,
-    Gaussian base, τ ≠ 1, δ > 0): the result is the closed-form posterior of both tasks,
-    q ∝ exp(−(N₁ℓ̄₁ + N₂ℓ̄₂ + δ‖θ‖²/2)/τ). Per coordinate its precision is
-    (N₁a₁ + N₂a₂ + δ)/τ and its mean (N₁a₁c₁ + N₂a₂c₂)/(N₁a₁ + N₂a₂ + δ).
-
-    Antithetic pairs make the mean's algebra gradient exact on a quadratic; the scale's
-    keeps Monte-Carlo noise (a(Aξ)², 16 samples), so the learnt standard deviations are within
-    a few percent (measured ≤ 4.4 % over 5 seeds), and task 2's mean inherits task 1's scale
-    error through the prior (measured ≤ 0.34 posterior sd). Task 2's mean given the prior it
-    was handed is exact."""
+def _quadratic_task_optimizer(seed: int) -> tuple[nn.Parameter, lgb.AffineBLR]:
+    """Four weights at 0 and the affine rule that learns them on the quadratic tasks: task 1's
+    N₁, τ and δ, a Gaussian base, 16 antithetic samples per step."""
     theta = nn.Parameter(torch.zeros(4, dtype=D))
     opt = lgb.AffineBLR(
         [theta],
@@ -69,6 +59,23 @@ def test_two_tasks_in_sequence_reach_the_tempered_posterior_of_both(seed):
         antithetic=True,
         seed=seed,
     )
+    return theta, opt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_two_tasks_in_sequence_reach_the_tempered_posterior_of_both(seed):
+    """Task 1 with the N(0, 1/δ) prior, task 2 with task 1's posterior as prior (affine rule,
+    Gaussian base, τ ≠ 1, δ > 0): the result is the closed-form posterior of both tasks,
+    q ∝ exp(−(N₁ℓ̄₁ + N₂ℓ̄₂ + δ‖θ‖²/2)/τ). Per coordinate its precision is
+    (N₁a₁ + N₂a₂ + δ)/τ and its mean (N₁a₁c₁ + N₂a₂c₂)/(N₁a₁ + N₂a₂ + δ).
+
+    Antithetic pairs make the mean's algebra gradient exact on a quadratic; the scale's
+    keeps Monte-Carlo noise (a(Aξ)², 16 samples), so the learnt standard deviations are within
+    a few percent (measured ≤ 4.4 % over 5 seeds), and task 2's mean inherits task 1's scale
+    error through the prior (measured ≤ 0.34 posterior sd). Task 2's mean given the prior it
+    was handed is exact."""
+    theta, opt = _quadratic_task_optimizer(seed)
     _train(opt, theta, A1, C1)
     first = opt.group_element(theta)
     var1 = TAU / (N1 * A1 + DELTA)
@@ -98,21 +105,7 @@ def test_a_prior_of_strength_w_gives_the_posterior_of_the_tempered_prior(strengt
     per coordinate precision wP₁ + N₂a₂/τ and mean (wP₁m₁ + N₂a₂c₂/τ)/(wP₁ + N₂a₂/τ). The
     mean is exact (antithetic pairs); the scale within its Monte-Carlo noise (≤ 4.4 % above).
     Weighting the whole KL by w (the entropy too) would give the precision N₂a₂/(wτ) + P₁."""
-    theta = nn.Parameter(torch.zeros(4, dtype=D))
-    opt = lgb.AffineBLR(
-        [theta],
-        lr=0.3,
-        scale_lr=20.0,
-        momentum=0.0,
-        scale_momentum=0.0,
-        base=Normal(0.0, SIGMA),
-        data_size=N1,
-        temperature=TAU,
-        prior_precision=DELTA,
-        mc_samples=16,
-        antithetic=True,
-        seed=0,
-    )
+    theta, opt = _quadratic_task_optimizer(0)
     _train(opt, theta, A1, C1)
     prior = opt.next_task(data_size=N2, strength=strength)
     assert opt._engine.prior.strength == strength

@@ -1,0 +1,522 @@
+"""Memory-map estimates checked against leave-one-out retraining run to convergence.
+
+    python -m experiments.memory_converged CONFIG.toml [--out DIR] [--resume] [--seeds 0]
+
+CONFIG is a run config (or a comparison config with ``[runs.LABEL]`` tables) of the affine
+rule (:class:`liegroup_blr.AffineBLR`, a diagonal Gaussian posterior) with a ``[memory.converged]``
+table (:data:`CONVERGED`). For every run and seed, into ``DIR/LABEL/seedS``:
+
+1. ``train/``: train the run (:func:`experiments.memory_map.trained`);
+2. ``estimates.pt``: the memory-map estimate of every training example (Jacobian form,
+   :func:`liegroup_blr.memory_map`): of the change of its logits (Σₖ|vₖeₖ|) and of its
+   probabilities (Σₖ|eₖλₖvₖ|);
+3. ``retrain.jsonl``: deterministic leave-one-out retraining of ``examples`` random training
+   examples to convergence (:class:`ShiftRetrainer`), and a control with nothing removed;
+   one row per retraining, written as each finishes (``--resume`` skips the finished);
+4. ``converged.png`` (the objective settling, the estimate against the truth on log-log
+   axes with the identity line and the floor) and ``summary.json``.
+
+``DIR`` gets ``config.json`` (every resolved config and the ``[memory.converged]`` table),
+``results.json`` and ``docs_summary.json`` (:func:`write_docs_summary`: what
+``docs/results/NAME.json`` holds).
+
+The retraining: the posterior's mean m moves, its covariance A²σ² stays the trained one;
+the expectation over q is replaced by ``samples`` draws of q0 fixed for the whole retraining
+(antithetic pairs: θ_s = m ± A(ξ_s − Eξ)), so the objective
+
+    J(m) = 1/(S·N) Σ_s Σ_{j kept} ℓ_j(m + A(ξ_s − Eξ)) + δ/(2N) ‖m‖²
+
+(the affine rule's objective in its mean, with the N of the full data set whatever is
+removed) is deterministic and is minimised by L-BFGS (strong Wolfe line search) in float64,
+warm-started from the trained mean, in chunks of ``chunk`` iterations until the relative
+change of J over a chunk falls below ``rtol`` or ``max_iterations`` are done. The control
+(nothing removed) runs the same from the same start: the truth is the removal's retrained
+prediction minus the control's, and the floor is the control's minus the trained one (what
+retraining alone moves).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.func import functional_call
+from torch.nn.functional import cross_entropy
+
+import liegroup_blr as lgb
+from experiments import cli, memory_map, runfiles, skeleton
+from experiments import config as config_module
+from experiments.memory_map import (
+    _inputs,
+    _median_ratio,
+    aggregate,
+    metrics_on_test,
+    pearson,
+    spearman,
+    trained,
+)
+from experiments.train import check_runs
+from liegroup_blr.groups import DiagonalAffineGroup
+
+CONVERGED: dict[str, Any] = {
+    "samples": 4,
+    "examples": 200,
+    "chunk": 10,
+    "rtol": 1e-10,
+    "max_iterations": 600,
+    "history": 50,
+}
+"""The ``[memory.converged]`` table with its defaults: ``samples`` fixed draws of q0 (even:
+antithetic pairs) for the expectation over q, ``examples`` random training examples to
+retrain, L-BFGS in chunks of ``chunk`` iterations (``history`` pairs kept) until the relative
+change of the objective over a chunk is below ``rtol`` or ``max_iterations`` are done."""
+
+ESTIMATES, RETRAIN, SUMMARY = "estimates.pt", "retrain.jsonl", "summary.json"
+BASELINES = ("loss", "residual", "variance")
+"""Rankings without the estimate, checked against the truth too."""
+CONTROL_MEAN = "control_mean.pt"
+DOCS_SUMMARY = "docs_summary.json"
+
+
+def _check(table: dict[str, Any], configs: dict[str, dict[int, dict[str, Any]]]) -> None:
+    if table["samples"] < 2 or table["samples"] % 2:
+        raise config_module.ConfigError(
+            f"[memory.converged].samples must be even and >= 2, got {table['samples']}"
+        )
+    for key in ("examples", "chunk", "max_iterations", "history"):
+        if table[key] < 1:
+            raise config_module.ConfigError(
+                f"[memory.converged].{key} must be >= 1, got {table[key]}"
+            )
+    if not 0 < table["rtol"] < 1:
+        raise config_module.ConfigError(
+            f"[memory.converged].rtol must lie in (0, 1), got {table['rtol']}"
+        )
+    for by_seed in configs.values():
+        for cfg in by_seed.values():
+            opt = cfg["optimizer"]
+            if opt["name"] != "affine" or opt.get("base", "gaussian") != "gaussian":
+                raise config_module.ConfigError(
+                    f"[optimizer] {opt['name']!r}: this check retrains a diagonal Gaussian "
+                    "posterior's mean; it needs name = 'affine' with base = 'gaussian'"
+                )
+            if cfg["data"]["augment"]:
+                raise config_module.ConfigError("[data].augment must be false")
+
+
+def resolve(
+    raw: dict[str, Any], seeds: Sequence[int] | None = None
+) -> tuple[dict[str, dict[int, dict[str, Any]]], dict[str, Any]]:
+    """(label → seed → resolved run config, the resolved ``[memory.converged]`` table): the
+    runs as :func:`experiments.memory_map.resolve` takes them, whose ``[memory]`` table
+    holds this driver's sub-table."""
+    configs, memory = memory_map.resolve(raw, seeds)
+    table = config_module.fill("[memory.converged]", memory["converged"], CONVERGED)
+    _check(table, configs)
+    return configs, table
+
+
+# ---------------------------------------------------------------- retraining
+class ShiftRetrainer:
+    """Deterministic retraining of a diagonal Gaussian posterior's mean, its covariance and
+    the draws of q0 held fixed (module docstring); float64 on the CPU."""
+
+    def __init__(self, run: Any, table: dict[str, Any], seed: int) -> None:
+        post = lgb.Posterior.from_optimizer(run.optimizer, run.model)
+        self.table = table
+        self.model = copy.deepcopy(run.model).double().cpu().eval()
+        x, y = _inputs(run)
+        self.x, self.y = x.double().cpu(), y.cpu()
+        self.size = len(self.y)
+        names = list(dict(self.model.named_parameters()))
+        gen = torch.Generator().manual_seed(seed + 104729)
+        self.mean: dict[str, Tensor] = {}
+        self.noise: dict[str, Tensor] = {}  # name → [S, *shape]
+        half = table["samples"] // 2
+        for key, entry in post.items():
+            if not isinstance(entry.group, DiagonalAffineGroup):
+                raise ValueError(f"posterior: entry {key!r} is not diagonal affine")
+            name = key if isinstance(key, str) else names[key]
+            A, b = entry.element[0].double().cpu(), entry.element[1].double().cpu()
+            centre = float(entry.base.mean)
+            xi = torch.empty((half, *A.shape), dtype=torch.float64)
+            lgb.distributions.sample_into(entry.base, xi, gen)
+            xi = torch.cat([xi - centre, centre - xi])  # antithetic about Eξ
+            self.mean[name] = b + A * centre
+            self.noise[name] = A * xi
+        self.delta = float(run.optimizer.param_groups[0]["prior_precision"])
+
+    def objective(self, mean: dict[str, Tensor], keep: Tensor | None) -> Tensor:
+        """J(m) of the module docstring, over the rows ``keep`` (None: all)."""
+        x, y = (self.x, self.y) if keep is None else (self.x[keep], self.y[keep])
+        S = self.table["samples"]
+        total = torch.zeros((), dtype=torch.float64)
+        for s in range(S):
+            params = {n: m + self.noise[n][s] for n, m in mean.items()}
+            logits = functional_call(self.model, params, (x,))
+            total = total + cross_entropy(logits, y, reduction="sum")
+        prior = sum((m.square().sum() for m in mean.values()), torch.zeros((), dtype=torch.float64))
+        return total / (S * self.size) + 0.5 * self.delta / self.size * prior
+
+    @torch.no_grad()
+    def logits(self, mean: dict[str, Tensor], index: Tensor) -> Tensor:
+        """The logits at the mean of the examples ``index``, ``[len(index), K]``."""
+        return functional_call(self.model, mean, (self.x[index],))
+
+    def retrain(
+        self, removed: int | None, index: Tensor, start: dict[str, Tensor] | None = None
+    ) -> dict[str, Any]:
+        """Minimise J without ``removed`` (None: nothing removed) from ``start`` (default: the
+        trained mean); the logits at the converged mean of ``index``, those one chunk
+        before, the objective after every chunk, the iterations, whether the stopping rule
+        was met, the final gradient's largest entry, seconds, and the converged mean."""
+        t0 = time.perf_counter()
+        table = self.table
+        keep = None if removed is None else torch.arange(self.size) != removed
+        start = self.mean if start is None else start
+        mean = {n: m.detach().clone().requires_grad_(True) for n, m in start.items()}
+        opt = torch.optim.LBFGS(
+            list(mean.values()),
+            lr=1.0,
+            max_iter=table["chunk"],
+            history_size=table["history"],
+            line_search_fn="strong_wolfe",
+            tolerance_grad=1e-14,
+            tolerance_change=1e-16,
+        )
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            value = self.objective(mean, keep)
+            value.backward()
+            return value
+
+        with torch.no_grad():
+            trace = [float(self.objective(mean, keep))]
+        before = self.logits(mean, index)
+        iterations = 0
+        while iterations < table["max_iterations"]:
+            before = self.logits(mean, index)
+            opt.step(closure)
+            iterations += table["chunk"]
+            with torch.no_grad():
+                trace.append(float(self.objective(mean, keep)))
+            if abs(trace[-2] - trace[-1]) <= table["rtol"] * abs(trace[-1]):
+                break
+        grad = max(float(m.grad.abs().max()) for m in mean.values() if m.grad is not None)
+        self.last = {n: m.detach() for n, m in mean.items()}
+        return {
+            "logits": self.logits(mean, index).tolist(),
+            "previous": before.tolist(),
+            "objective": trace,
+            "iterations": iterations,
+            "converged": abs(trace[-2] - trace[-1]) <= table["rtol"] * abs(trace[-1]),
+            "grad_max": grad,
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+def retrain_all(retrainer: ShiftRetrainer, examples: list[int], path: Path) -> list[dict[str, Any]]:
+    """The control (nothing removed; the logits of every example before and after) and one
+    retraining per example (the logits of that example), each row appended to ``path``
+    (rewritten atomically) as soon as it is done; rows already there are kept."""
+    rows = runfiles.read_jsonl(path)
+    done = {(r["kind"], r["index"]) for r in rows}
+    everyone = torch.tensor(examples)
+    control_path = path.with_name(CONTROL_MEAN)
+    if ("control", None) not in done or not control_path.exists():
+        rows = [r for r in rows if r["kind"] != "control"]
+        start = retrainer.logits(retrainer.mean, everyone).tolist()
+        row = retrainer.retrain(None, everyone)
+        runfiles.save_torch(control_path, retrainer.last)
+        rows.insert(
+            0, {"kind": "control", "index": None, "examples": examples, "start": start, **row}
+        )
+        runfiles.write_jsonl(path, rows)
+    converged_control = runfiles.load_torch(control_path)
+    if ("again", None) not in done:  # the floor: the same retraining, nothing removed
+        row = retrainer.retrain(None, everyone, converged_control)
+        rows.append({"kind": "again", "index": None, **row})
+        runfiles.write_jsonl(path, rows)
+    for i in examples:
+        if ("removed", i) in done:
+            continue
+        row = retrainer.retrain(i, torch.tensor([i]), converged_control)
+        row["logits"], row["previous"] = row["logits"][0], row["previous"][0]
+        rows.append({"kind": "removed", "index": i, **row})
+        runfiles.write_jsonl(path, rows)
+    return rows
+
+
+# -------------------------------------------------------------------- summary
+def changes(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Per retrained example (the control's order), L1 distances of the logits (``_f``) and
+    of the probabilities (``_p``): ``truth`` (removed − control), ``floor`` (the same
+    retraining with nothing removed, from the converged control: what the protocol moves by
+    itself), ``drift`` (control − trained: what converging the fixed-draw objective moves
+    from the trained posterior) and ``settle`` (how far the retrained prediction moved over
+    its last chunk, removal and control together: what convergence leaves)."""
+    control = next(r for r in rows if r["kind"] == "control")
+    again = next(r for r in rows if r["kind"] == "again")
+    removed = {r["index"]: r for r in rows if r["kind"] == "removed"}
+    examples = [i for i in control["examples"] if i in removed]
+    at = [control["examples"].index(i) for i in examples]
+    f = {
+        "again": np.asarray(again["logits"])[at],
+        "start": np.asarray(control["start"])[at],
+        "control": np.asarray(control["logits"])[at],
+        "control_prev": np.asarray(control["previous"])[at],
+        "without": np.asarray([removed[i]["logits"] for i in examples]),
+        "without_prev": np.asarray([removed[i]["previous"] for i in examples]),
+    }
+    out: dict[str, Any] = {"examples": np.asarray(examples), "signed": f["without"] - f["control"]}
+    for suffix, v in (("_f", f), ("_p", {k: _softmax(a) for k, a in f.items()})):
+        out[f"truth{suffix}"] = np.abs(v["without"] - v["control"]).sum(-1)
+        out[f"drift{suffix}"] = np.abs(v["control"] - v["start"]).sum(-1)
+        out[f"floor{suffix}"] = np.abs(v["again"] - v["control"]).sum(-1)
+        out[f"settle{suffix}"] = np.abs(v["without"] - v["without_prev"]).sum(-1) + np.abs(
+            v["control"] - v["control_prev"]
+        ).sum(-1)
+    return out
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(logits).softmax(-1).numpy()
+
+
+def summarise(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per space (logits ``f``, probabilities ``p``): medians of the truth, floor and what
+    convergence leaves; median truth ÷ floor and the share above it; the estimate's median
+    ratio to the truth (and its quartiles), Spearman and Pearson of the logarithms; and the
+    retrainings' iterations, seconds and convergence."""
+    c = changes(rows)
+    idx = c["examples"]
+    removed = [r for r in rows if r["kind"] == "removed"]
+    control = next(r for r in rows if r["kind"] == "control")
+    again = next(r for r in rows if r["kind"] == "again")
+    out: dict[str, Any] = {
+        "examples": len(idx),
+        "iterations_median": float(np.median([r["iterations"] for r in removed])),
+        "iterations_max": max(r["iterations"] for r in removed),
+        "converged": float(np.mean([r["converged"] for r in removed])),
+        "seconds_median": float(np.median([r["seconds"] for r in removed])),
+        "grad_max_median": float(np.median([r["grad_max"] for r in removed])),
+        "control": {k: control[k] for k in ("iterations", "converged", "grad_max", "seconds")},
+        "again": {k: again[k] for k in ("iterations", "converged", "grad_max", "seconds")},
+    }
+    for space, key in (("f", "logits"), ("p", "probabilities")):
+        est = estimates[key][idx].double().numpy()
+        truth, floor, settle, drift = (
+            c[f"{k}_{space}"] for k in ("truth", "floor", "settle", "drift")
+        )
+        ratio = est / truth
+        positive = (est > 0) & (truth > 0)
+        out[space] = {
+            "truth_median": float(np.median(truth)),
+            "floor_median": float(np.median(floor)),
+            "settle_median": float(np.median(settle)),
+            "drift_median": float(np.median(drift)),
+            "truth_over_drift": _median_ratio(truth, drift),
+            "settle_over_truth_max": float(np.max(settle / truth)),
+            "truth_over_floor": _median_ratio(truth, floor),
+            "above_floor": float((truth > floor).mean()),
+            "ratio_median": float(np.median(ratio)),
+            "ratio_quartiles": [float(q) for q in np.quantile(ratio, [0.25, 0.75])],
+            "spearman": spearman(est, truth),
+            "pearson_log": pearson(np.log(est[positive]), np.log(truth[positive])),
+            "spearman_baselines": {
+                name: spearman(estimates[name][idx].double().numpy(), truth)
+                for name in BASELINES
+                if name in estimates
+            },
+        }
+    if "moved" in estimates:  # the direction: cosine of the estimated and true change of f
+        est_f, true_f = estimates["moved"][idx].double().numpy(), c["signed"]
+        norms = np.linalg.norm(est_f, axis=1) * np.linalg.norm(true_f, axis=1)
+        cosine = (est_f * true_f).sum(1) / np.where(norms > 0, norms, np.nan)
+        out["f"]["cosine_median"] = float(np.nanmedian(cosine))
+        out["f"]["cosine_quartiles"] = [float(q) for q in np.nanquantile(cosine, [0.25, 0.75])]
+    return out
+
+
+def figure(estimates: dict[str, Any], rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Three panels: the objective J − min J over L-BFGS iterations (control and removals),
+    and per space the estimate against the truth on log-log axes, the identity line drawn,
+    with the floor (retraining alone) at the same estimates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = changes(rows)
+    idx = c["examples"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    ax = axes[0]
+    chunk = None
+    for r in rows:
+        if r["kind"] == "again":
+            continue
+        trace = np.asarray(r["objective"])
+        chunk = r["iterations"] / max(1, len(trace) - 1)
+        gap = trace - trace.min()
+        steps = np.arange(len(trace)) * chunk
+        kind = r["kind"] == "control"
+        ax.semilogy(
+            steps[:-1],
+            np.maximum(gap[:-1], 1e-16),
+            color="k" if kind else "tab:blue",
+            alpha=1.0 if kind else 0.15,
+            lw=2 if kind else 0.8,
+            label="control (nothing removed)" if kind else None,
+        )
+    ax.set_xlabel("L-BFGS iterations")
+    ax.set_ylabel("objective − its final value")
+    ax.set_title("the full-batch objective settles")
+    ax.legend(loc="upper right")
+    for ax, (space, key, name) in zip(
+        axes[1:],
+        (("f", "logits", "logits ‖Δf‖₁"), ("p", "probabilities", "probabilities ‖Δp‖₁")),
+        strict=True,
+    ):
+        est = estimates[key][idx].double().numpy()
+        truth, floor, drift = (c[f"{k}_{space}"] for k in ("truth", "floor", "drift"))
+        ax.loglog(truth, est, ".", color="tab:blue", ms=4, label="leave-one-out (truth)")
+        ax.loglog(
+            np.maximum(floor, 1e-12),
+            est,
+            "x",
+            color="tab:red",
+            ms=4,
+            label="same retraining, nothing removed (floor)",
+        )
+        ax.loglog(drift, est, "+", color="0.7", ms=4, label="control − trained (drift)")
+        shown = np.concatenate([truth, est, floor, drift])
+        lo, hi = shown[shown > 0].min(), shown.max()
+        ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="identity")
+        ax.set_xlabel(f"true change of the {name}")
+        ax.set_ylabel("estimate")
+        ax.set_title(f"{name}: Spearman {spearman(est, truth):.2f}")
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ one run
+def estimates_of(run: Any, seed: int) -> dict[str, Any]:
+    """The memory-map estimates of the training set (Jacobian form): the scores of both
+    spaces, the estimated change of the logits as a vector (``moved``), and the rankings
+    without the estimate: the residual ‖eᵢ‖₁, the total variance tr Vᵢ and the loss at the
+    mean (``residual``, ``variance``, ``loss``)."""
+    x, y = _inputs(run)
+    out: dict[str, Any] = {"labels": y.cpu()}
+    for key in ("logits", "probabilities"):
+        mm = lgb.memory_map(run.model, run.optimizer, x, y, method="jacobian", change=key)
+        out[key] = mm.scores.cpu()
+    out["moved"] = (mm.variances * mm.residuals).cpu()  # the estimated change v ⊙ e, [N, K]
+    out["residual"] = mm.prediction_error.cpu()
+    out["variance"] = mm.total_variance.cpu()
+    out["loss"] = -mm.predictions.gather(1, y[:, None])[:, 0].log().cpu()
+    return out
+
+
+def validate(table: dict[str, Any], cfg: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Train, estimate, retrain to convergence and summarise one run; writes ``folder``."""
+    seed = cfg["seed"]
+    run = trained(cfg, folder / "train")
+    est_path = folder / ESTIMATES
+    if est_path.exists():
+        est = runfiles.load_torch(est_path)
+    else:
+        est = estimates_of(run, seed)
+        runfiles.save_torch(est_path, est)
+    gen = torch.Generator().manual_seed(seed)
+    examples = torch.randperm(len(est["labels"]), generator=gen)[: table["examples"]].tolist()
+    retrainer = ShiftRetrainer(run, table, seed)
+    rows = retrain_all(retrainer, examples, folder / RETRAIN)
+    title = (
+        f"{cfg['data']['name']}, {cfg['optimizer']['name']} rule, seed {seed}: "
+        f"{len(examples)} random examples retrained to convergence"
+    )
+    figure(est, rows, folder / "converged.png", title)
+    summary = {
+        "test": metrics_on_test(run, 64),
+        "train_size": len(est["labels"]),
+        **summarise(est, rows),
+    }
+    runfiles.write_json(folder / SUMMARY, summary)
+    return summary
+
+
+def converged(
+    raw: dict[str, Any], out: str | Path, resume: bool = False, seeds: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """Validate every run and seed of ``raw`` into ``out``; returns label → summaries."""
+    out = Path(out)
+    configs, table = resolve(raw, seeds)
+    check_runs(configs)
+    with runfiles.locked(out):
+        skeleton.prepare_folder(out, skeleton.written(configs), resume, {"converged": table})
+        results: dict[str, Any] = {}
+        for label, by_seed in configs.items():
+            per_seed = {
+                f"seed{s}": validate(table, cfg, out / label / f"seed{s}")
+                for s, cfg in by_seed.items()
+            }
+            results[label] = {
+                "seeds": list(by_seed),
+                "summary": aggregate(list(per_seed.values())),
+                "per_seed": per_seed,
+            }
+        runfiles.write_json(out / "results.json", results)
+        write_docs_summary(out)
+    return results
+
+
+def write_docs_summary(out: Path) -> dict[str, Any]:
+    """``out/docs_summary.json``: the folder's summary as ``python -m experiments.docs_tables
+    summarise`` writes it (per label its seeds and every number, mean ± sd over seeds), and
+    the full resolved config (``full_config``, the folder's ``config.json``); copied to
+    ``docs/results/NAME.json`` it is what the documentation quotes."""
+    from experiments.docs_tables import summarise_folder
+
+    summary = {**summarise_folder(out), "full_config": runfiles.read_json(out / "config.json")}
+    runfiles.write_json(out / DOCS_SUMMARY, summary)
+    return summary
+
+
+def _show(results: dict[str, Any], out: Path) -> None:
+    for label, res in results.items():
+        for seed, s in res["per_seed"].items():
+            for space in ("f", "p"):
+                e = s[space]
+                print(
+                    f"{label} {seed} {space}: {s['examples']} examples, median estimate/truth "
+                    f"{e['ratio_median']:.3g}, Spearman {e['spearman']:.3f}, truth/floor "
+                    f"{e['truth_over_floor']:.3g} (above {e['above_floor']:.2f})"
+                )
+    print(f"results in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.run(
+        "python -m experiments.memory_converged",
+        __doc__,
+        converged,
+        _show,
+        sys.argv[1:] if argv is None else argv,
+        cli.parse_seeds,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
