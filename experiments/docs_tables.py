@@ -277,26 +277,77 @@ CONTINUAL = (
     Metric("NLL", "{est}.nll"),
     Metric("ECE", "{est}.ece"),
 )
-CONTINUAL_TEXT = (("method", LEFT), ("prior of each new task", LEFT), ("memory", LEFT))
+CONTINUAL_TEXT = (
+    ("method", LEFT),
+    ("prior of each new task", LEFT),
+    ("memory (40 per task)", LEFT),
+    ("tuned over", LEFT),
+)
 CONTINUAL_BASELINES = (
-    ("finetune", "point", ("Adam, fine-tuning", "—", "—")),
-    ("ewc", "point", ("Adam, online EWC", "—", "—")),
-    ("joint", "point", ("Adam, joint (all data so far)", "—", "every example")),
+    ("finetune", "point", ("Adam, fine-tuning", "—", "—", "9: step × δ")),
+    ("ewc", "point", ("Adam, online EWC", "—", "—", "9: step × λ")),
+    ("ewc_replay_random", "point", ("Adam, online EWC", "—", "replay, random", "9: step × weight")),
+    ("joint", "point", ("Adam, joint (all data so far)", "—", "every example", "not tuned")),
 )
+MEMORY_CELLS = {
+    "kprior_lambda": "K-prior, λ",
+    "kprior_random": "K-prior, random",
+    "kprior_score": "K-prior, memory-map score",
+    "fromp_lambda": "FROMP, λ",
+    "replay_random": "replay, random",
+}
 CONTINUAL_VARIANTS = (
-    ("", ("the posterior so far", "—")),
-    ("_no_prior", ("the first task's (prior removed)", "—")),
-    ("_memory", ("the posterior so far", "40 per task, sensitivity")),
-    ("_random_memory", ("the posterior so far", "40 per task, random")),
+    ("", ("the posterior so far", "—", "9: step × w")),
+    ("_no_prior", ("the first task's (prior removed)", "—", "9: step × δ or τ")),
+    *(
+        (f"_{key}", ("the posterior so far", cell, "9: step × weight"))
+        for key, cell in MEMORY_CELLS.items()
+    ),
 )
-CONTINUAL_ROWS = CONTINUAL_BASELINES + tuple(
-    (rule + suffix, "average", (f"{rule} rule, average of 32", *cells))
-    for rule in ("additive", "affine", "multiplicative")
-    for suffix, cells in CONTINUAL_VARIANTS
-)
-"""Rows of a continual stream's table: Adam's three methods at their point estimate, every
-rule's model average with its posterior as the next prior, with that prior removed, with a
-memory of its most sensitive examples and with a random memory of the same size."""
+RULES = ("affine", "additive", "multiplicative")
+LEAD_MEMORIES = tuple(MEMORY_CELLS)
+"""The affine rule's memory rows; the other rules have K-prior, λ and replay, random."""
+OTHER_MEMORIES = ("kprior_lambda", "replay_random")
+
+
+def continual_rows(memories: dict[str, tuple[str, ...]], budget: bool = True) -> tuple[Any, ...]:
+    """Rows of a continual stream's table: Adam's methods at their point estimate, then each
+    rule's model average (rule → the keys of :data:`MEMORY_CELLS` of its memory rows) with
+    its posterior as prior, without it, and with each memory; without the equal ``budget``,
+    each tuned row says it had a grid of its own."""
+    rows = CONTINUAL_BASELINES + tuple(
+        (rule + suffix, "average", (f"{rule} rule, average of 32", *cells))
+        for rule, kept in memories.items()
+        for suffix, cells in CONTINUAL_VARIANTS
+        if suffix in ("", "_no_prior") or suffix[1:] in kept
+    )
+    if budget:
+        return rows
+    own = ("its own grid", "same point as with the prior")
+    return tuple(
+        (label, est, (*cells[:-1], own["no_prior" in label] if cells[-1][0] == "9" else cells[-1]))
+        for label, est, cells in rows
+        if any(memories.values()) or label != "ewc_replay_random"
+    )
+
+
+CONTINUAL_ROWS = {
+    "continual_permuted": continual_rows(
+        {"affine": tuple(m for m in LEAD_MEMORIES if m != "kprior_score")}
+    ),
+    "continual_split": continual_rows(dict.fromkeys(RULES, ()), budget=False),
+    "continual_split_single": continual_rows(
+        {"affine": LEAD_MEMORIES, "additive": OTHER_MEMORIES, "multiplicative": OTHER_MEMORIES}
+    ),
+}
+"""Rows of each stream's table (the multi-head Split stream: no memory rows; the permuted
+stream: the affine rule's rows but the memory-map score's, the other rules' wait for their
+tuning)."""
+CONTINUAL_RULES = {
+    stream: {label for label, estimate, _ in rows if estimate == "average"}
+    for stream, rows in CONTINUAL_ROWS.items()
+}
+"""The labels of each stream's rule rows."""
 CONTINUAL_ESTIMATE_ROWS = tuple(
     (rule, est, (rule, ESTIMATE_NAMES[est]))
     for rule in ("additive", "affine", "multiplicative")
@@ -340,11 +391,16 @@ TABLES: dict[str, Table] = {
         PREDICTIVE[:3],
     ),
     **{
-        f"{stream}/methods": Table(stream, CONTINUAL_TEXT, CONTINUAL_ROWS, CONTINUAL)
+        f"{stream}/methods": Table(stream, CONTINUAL_TEXT, CONTINUAL_ROWS[stream], CONTINUAL)
         for stream in STREAMS
     },
     **{
-        f"{stream}/estimates": Table(stream, RULE_ESTIMATE, CONTINUAL_ESTIMATE_ROWS, CONTINUAL)
+        f"{stream}/estimates": Table(
+            stream,
+            RULE_ESTIMATE,
+            tuple(row for row in CONTINUAL_ESTIMATE_ROWS if row[0] in CONTINUAL_RULES[stream]),
+            CONTINUAL,
+        )
         for stream in STREAMS
     },
 }
