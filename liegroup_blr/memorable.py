@@ -85,7 +85,7 @@ USES = ("kprior", "fromp", "replay")
 inverse kernel; needs a posterior) or ``"replay"`` (the hard labels: the control)."""
 
 LIKELIHOODS = ("categorical", "gaussian")
-"""The likelihood of the outputs: ``"categorical"`` (softmax over the logits) or
+"""Likelihoods of the outputs, ``"categorical"`` (softmax over the logits) and
 ``"gaussian"`` (the predicted mean, noise variance σ²)."""
 
 _FIELDS = ("inputs", "targets", "tasks", "scores", "outputs_old", "kernel_inverse")

@@ -324,7 +324,7 @@ def loo_nll(
     (``"samples"``), as in :func:`memory_map`; :math:`V_i` is divided by τ.
 
     Args:
-        form: ``"corrected"`` or ``"first_order"`` (:data:`LOO_FORMS`).
+        form: ``"corrected"`` or ``"first_order"``.
         reduction: ``"mean"`` (a scalar, the leave-one-out NLL of the data set), ``"sum"``
             or ``"none"`` (``[n]``, one value per example).
         others: as :func:`memory_map`.

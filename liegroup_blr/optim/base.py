@@ -1090,10 +1090,11 @@ class BLROptimizer(Optimizer):
         whose gradient is :math:`\frac{\tau}{N}[w\nabla\mathrm{KL}(q\|q_\text{prev})
         - (1 - w)\nabla H(q)]`. w = 1 (the default) is exact sequential Bayes; for a Gaussian
         :math:`\mathcal N(m, P^{-1})` the tempered prior is :math:`\mathcal N(m, (wP)^{-1})`,
-        so w > 1 pulls back harder (with :class:`AffineBLR`'s Gaussian base the penalty on the
-        mean is :math:`w(N_\text{prev}H + \delta)/N`, EWC's at λ = w) and w < 1 lets the new
-        task move further; :class:`AdditiveBLR` (fixed covariance σ²I) feels it as the pull
-        :math:`w\tau/(N\sigma^2)\,(m - m_\text{prev})`. Saved in :meth:`state_dict`.
+        so w > 1 pulls back harder (with :class:`~liegroup_blr.AffineBLR`'s Gaussian base the
+        penalty on the mean is :math:`w(N_\text{prev}H + \delta)/N`, EWC's at λ = w) and
+        w < 1 lets the new task move further; :class:`~liegroup_blr.AdditiveBLR` (fixed
+        covariance σ²I) feels it as the pull :math:`w\tau/(N\sigma^2)\,(m - m_\text{prev})`.
+        Saved in :meth:`state_dict`.
 
         Raises:
             ValueError: in one line, for a ``strength`` that is not a finite float > 0, a

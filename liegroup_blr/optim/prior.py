@@ -95,7 +95,7 @@ class Prior:
         generator: Callable[[torch.device], torch.Generator],
     ) -> list[Tensor]:
         r"""Per parameter ``keys[i]`` with element ``elements[i]``, with c = τ/N (``weight``)
-        and w = :attr:`strength`: where covered,
+        and w = ``strength``: where covered,
         :math:`c\,[w\nabla_X\mathrm{KL}(q_g\|q_h) - (1 - w)\nabla_X H(q_g)]`, the
         gradient of :math:`c\,\mathrm{KL}(q_g\|q_h^w/Z)` (:math:`\nabla_X H =
         \nabla_X\log|\det J|`, ``entropy(element)``; the second term is left out at w = 1
