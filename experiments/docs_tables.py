@@ -131,11 +131,15 @@ def number(leaf: Mapping[str, Any], spec: str) -> str:
     if match is None:
         raise ValueError(f"number format {spec!r}: write FACTOR:DECIMALS, then ± or , or nothing")
     factor, decimals = float(match["factor"]), int(match["decimals"])
+
+    def show(value: float) -> str:  # a blown-up value (an NLL of 1e30) in powers of ten
+        return f"{value:.1e}" if abs(value) >= 1e6 else f"{value:.{decimals}f}"
+
     if match["kind"] == ",":
-        return ", ".join(f"{factor * v:.{decimals}f}" for v in leaf["values"])
-    mean = f"{factor * leaf['mean']:.{decimals}f}"
+        return ", ".join(show(factor * v) for v in leaf["values"])
+    mean = show(factor * leaf["mean"])
     if match["kind"] == "±" and leaf["sd"] is not None:
-        return f"{mean} ± {factor * leaf['sd']:.{decimals}f}"
+        return f"{mean} ± {show(factor * leaf['sd'])}"
     return mean
 
 

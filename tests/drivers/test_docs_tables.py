@@ -42,6 +42,9 @@ def test_numbers_as_the_format_says() -> None:
     assert docs_tables.number(leaf, "100:1±") == "93.3 ± 0.6"
     assert docs_tables.number(leaf, "100:1,") == "93.4, 93.3, 93.3"
     assert docs_tables.number({**leaf, "sd": None}, "1:3±") == "0.933"  # one seed
+    blown = {"mean": 1.04e30, "sd": 1.46e30, "values": [0.66, 2.07e30]}  # a run that blew up
+    assert docs_tables.number(blown, "1:3±") == "1.0e+30 ± 1.5e+30"
+    assert docs_tables.number(blown, "1:3,") == "0.660, 2.1e+30"
     with pytest.raises(ValueError, match="FACTOR:DECIMALS"):
         docs_tables.number(leaf, "%.1f")
 
