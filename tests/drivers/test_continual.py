@@ -677,7 +677,8 @@ def test_shipped_continual_configs_resolve(path: Path) -> None:
         assert all(points.values())
     runs = continual.run_configs(raw)
     strategies = {next(iter(by_seed.values()))["method"]["strategy"] for by_seed in runs.values()}
-    assert strategies >= {"finetune", "ewc", "posterior"}
+    rules_only = path.stem.endswith("_rules_tuning")  # the rules' half of a stream's tuning
+    assert strategies >= ({"posterior"} if rules_only else {"finetune", "ewc", "posterior"})
     assert ("joint" in strategies) is not tuning
     for by_seed in runs.values():
         for cfg in by_seed.values():
