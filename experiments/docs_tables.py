@@ -337,7 +337,11 @@ def continual_rows(memories: dict[str, tuple[str, ...]], budget: bool = True) ->
 
 CONTINUAL_ROWS = {
     "continual_permuted": continual_rows(
-        {"affine": tuple(m for m in LEAD_MEMORIES if m != "kprior_score")}
+        {
+            "affine": tuple(m for m in LEAD_MEMORIES if m != "kprior_score"),
+            "additive": OTHER_MEMORIES,
+            "multiplicative": OTHER_MEMORIES,
+        }
     ),
     "continual_split": continual_rows(dict.fromkeys(RULES, ()), budget=False),
     "continual_split_single": continual_rows(
@@ -345,8 +349,7 @@ CONTINUAL_ROWS = {
     ),
 }
 """Rows of each stream's table (the multi-head Split stream: no memory rows; the permuted
-stream: the affine rule's rows but the memory-map score's, the other rules' wait for their
-tuning)."""
+stream: the affine rule's rows but the memory-map score's)."""
 CONTINUAL_RULES = {
     stream: {label for label, estimate, _ in rows if estimate == "average"}
     for stream, rows in CONTINUAL_ROWS.items()
