@@ -52,7 +52,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -66,18 +66,19 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, continual_report, runfiles, skeleton
+from experiments import cli, continual_report, loop, runfiles, skeleton
 from experiments import config as config_module
 from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
 from experiments.data import DATASETS, Dataset, load_dataset, validation_split
 from experiments.evaluate import posterior_mean
 from experiments.ewc import OnlineEWC, diagonal_fisher
+from experiments.loop import DivergedError, Divergence
 from experiments.models import ACTIVATIONS, MLP
 from experiments.optimizers import build_optimizer, lr_factor
 from experiments.progress import Planned
 from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
 from experiments.streams import HEADS, STREAMS, Head, Task, build_stream, column_mask
-from experiments.train import DivergedError, resolve_device
+from experiments.train import resolve_device
 from liegroup_blr import predictive
 from liegroup_blr.memorable import SELECTIONS, USES
 
@@ -247,11 +248,11 @@ def run_configs(
 
 # ----------------------------------------------------------------------------- the learner
 @dataclass
-class Learner:
+class Learner(loop.Trainee):
     """A run: its config, tasks (on the device), the logit masks of their heads and their
     columns, the model, optimizer, schedule, data order, for EWC the penalty, for a rule with
-    a memory the memory, and what the tasks are evaluated on (``"test"`` or
-    ``"validation"``)."""
+    a memory the memory (both checkpointed with the rest), and what the tasks are evaluated
+    on (``"test"`` or ``"validation"``)."""
 
     cfg: dict[str, Any]
     tasks: list[Task]
@@ -268,6 +269,9 @@ class Learner:
     @property
     def strategy(self) -> str:
         return str(self.cfg["method"]["strategy"])
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"ewc": self.ewc, "memory": self.memory}
 
 
 @functools.lru_cache(maxsize=1)
@@ -376,41 +380,44 @@ def _memory_loss(learner: Learner, rows: Tensor, size: int) -> Tensor:
 
 
 def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, epoch: int) -> float:
-    """One pass over ``data`` in a fresh order (the last partial batch dropped); returns the
-    mean training objective. Raises :class:`~experiments.train.DivergedError` as soon as a
-    loss or, after an update, a parameter is not finite."""
-    x, y, ids = data
+    """One pass over ``data`` in a fresh order (the last partial batch dropped,
+    :meth:`experiments.loop.Trainee.steps`); returns the mean training objective. Raises
+    :class:`~experiments.loop.DivergedError` as soon as a loss or, after an update, a
+    parameter is not finite."""
     cfg = learner.cfg
-    batch = cfg["train"]["batch_size"]
+    desc = f"task {t + 1}/{len(learner.tasks)} epoch {epoch + 1}/{cfg['train']['epochs']}"
+    steps = _steps(learner, data)
+    total = len(data[1]) // cfg["train"]["batch_size"]
+    return learner.steps(epoch, steps, desc, total=total, diverged=partial(_diverged, t))
+
+
+def _steps(learner: Learner, data: tuple[Tensor, Tensor, Tensor]) -> Iterator[partial[Any]]:
+    """The steps of one pass over ``data``: each an optimizer step on a minibatch of a fresh
+    order and, with a memory, a minibatch of the memory as large."""
+    x, y, ids = data
+    batch = learner.cfg["train"]["batch_size"]
     order = torch.randperm(len(y), generator=learner.data_rng).to(y.device)
-    steps = len(y) // batch
-    bar = tqdm(
-        range(steps),
-        desc=f"task {t + 1}/{len(learner.tasks)} epoch {epoch + 1}/{cfg['train']['epochs']}",
-        unit="batch",
-        disable=None,  # shown on a terminal only
-        leave=False,
-    )
-    losses = []
-    learner.model.train()
     memory = learner.memory
-    for step in bar:
+    for step in range(len(y) // batch):
         idx = order[step * batch : (step + 1) * batch]
         rows = None
-        if memory is not None and len(memory):  # a minibatch of the memory, as large
+        if memory is not None and len(memory):
             rows = torch.randperm(len(memory), generator=learner.data_rng)[:batch]
             rows = rows.to(y.device)
         closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]], rows, len(y))
-        loss = float(learner.optimizer.step(closure))
-        if not math.isfinite(loss) or not runfiles.all_finite(list(learner.model.parameters())):
-            raise DivergedError(
-                f"training diverged in task {t + 1}, epoch {epoch + 1}, step {step + 1} (loss "
-                f"{loss}); nothing of this epoch was saved. Lower the method's lr and train "
-                "into a new folder"
-            )
-        losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
-    return float(np.mean(losses))
+        yield partial(learner.optimizer.step, closure)
+
+
+def _diverged(t: int, divergence: Divergence) -> DivergedError:
+    """A divergence in task t, in the words of the stream's runs."""
+    where = f"task {t + 1}, epoch {divergence.epoch + 1}"
+    advice = "Lower the method's lr and train into a new folder"
+    if divergence.step is None:  # at the end of the epoch
+        return divergence.error(where, advice)
+    return DivergedError(
+        f"training diverged in {where}, step {divergence.step} (loss {divergence.loss}); "
+        f"nothing of this epoch was saved. {advice}"
+    )
 
 
 def _next_task(learner: Learner, t: int) -> None:
@@ -513,7 +520,8 @@ def evaluate(learner: Learner, t: int) -> dict[str, Any]:
 @dataclass
 class Position:
     """Where a run stands: the task in progress, the epochs done in it, the training seconds
-    spent on it, and the rows of the finished tasks."""
+    spent on it, and the rows of the finished tasks (first in the checkpoint, which also
+    holds model, optimizer, schedule, every RNG state, the EWC state and the memory)."""
 
     task: int = 0
     epoch: int = 0
@@ -521,36 +529,10 @@ class Position:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _save(learner: Learner, path: Path, at: Position) -> None:
-    """Atomically: the position in the stream, model, optimizer, schedule, every RNG state
-    and the EWC state."""
-    state = {
-        "task": at.task,
-        "epoch": at.epoch,
-        "seconds": at.seconds,
-        "rows": at.rows,
-        "model": learner.model.state_dict(),
-        "optimizer": learner.optimizer.state_dict(),
-        "scheduler": learner.scheduler.state_dict(),
-        "rng": skeleton.rng_state(learner.data_rng),
-        "ewc": None if learner.ewc is None else learner.ewc.state_dict(),
-        "memory": None if learner.memory is None else learner.memory.state_dict(),
-    }
-    runfiles.save_torch(path, state)
-
-
 def _restore(learner: Learner, path: Path) -> Position:
     """The state of checkpoint ``path`` restored into ``learner``; where the run stands."""
-    return skeleton.restore(
+    return learner.restore(
         path,
-        {
-            "model": learner.model.load_state_dict,
-            "optimizer": learner.optimizer.load_state_dict,
-            "scheduler": learner.scheduler.load_state_dict,
-            "rng": functools.partial(skeleton.set_rng_state, learner.data_rng),
-            "ewc": None if learner.ewc is None else learner.ewc.load_state_dict,
-            "memory": None if learner.memory is None else learner.memory.load_state_dict,
-        },
         lambda state: Position(
             int(state["task"]), int(state["epoch"]), float(state["seconds"]), list(state["rows"])
         ),
@@ -639,34 +621,31 @@ def _learn(
 ) -> dict[str, Any]:
     """The stream from ``at`` on, then the final files."""
     ckpt, epochs, count = out / CHECKPOINT, learner.cfg["train"]["epochs"], len(learner.tasks)
-    if progress is not None:
-        progress(at.task * epochs + at.epoch)
     while at.task < count:
-        data = _training_set(learner, at.task)
-        train = functools.partial(train_epoch, learner, data, at.task)
-        for epoch, _, loss, seconds in skeleton.timed_epochs(
-            at.epoch, epochs, train, learner.scheduler
-        ):
-            at.epoch, at.seconds = epoch + 1, at.seconds + seconds
-            _save(learner, ckpt, at)
-            note = progress(at.task * epochs + at.epoch) if progress is not None else ""
+        t = at.task
+        train = partial(train_epoch, learner, _training_set(learner, t), t)
+        told = None if progress is None else (lambda done, t=t: progress(t * epochs + done))
+        for epoch in learner.epochs(at.epoch, epochs, train, told, partial(_diverged, t)):
+            at.epoch, at.seconds = epoch.done, at.seconds + epoch.seconds
+            learner.save(ckpt, vars(at))
             tqdm.write(
-                f"{title}: task {at.task + 1}/{count} epoch {at.epoch}/{epochs}: objective "
-                f"{loss:.4f}, {seconds:.1f}s" + (f" | {note}" if note else "")
+                f"{title}: task {t + 1}/{count} epoch {at.epoch}/{epochs}: objective "
+                f"{epoch.loss:.4f}, {epoch.seconds:.1f}s"
+                + (f" | {epoch.note}" if epoch.note else "")
             )
         tic = time.perf_counter()
-        row = evaluate(learner, at.task)
+        row = evaluate(learner, t)
         row["train_seconds"], row["eval_seconds"] = at.seconds, time.perf_counter() - tic
         _report_task(row)
         if runfiles.nonfinite(row):
             raise DivergedError(
-                f"non-finite metrics {runfiles.nonfinite(row)} after task {at.task + 1} in "
+                f"non-finite metrics {runfiles.nonfinite(row)} after task {t + 1} in "
                 f"{out}; lower the method's lr and train into a new folder"
             )
-        if at.task + 1 < count:
-            _next_task(learner, at.task)
-        at = Position(at.task + 1, 0, 0.0, [*at.rows, row])
-        _save(learner, ckpt, at)
+        if t + 1 < count:
+            _next_task(learner, t)
+        at = Position(t + 1, 0, 0.0, [*at.rows, row])
+        learner.save(ckpt, vars(at))
         runfiles.write_jsonl(out / TASKS, at.rows)
     if learner.strategy == "posterior":
         _posterior(learner.optimizer, learner.model).save(out / POSTERIOR)

@@ -155,15 +155,17 @@ def load_model_state(model: nn.Module, state: dict[str, Any], processes: Process
         local(own[name]).copy_(value)
 
 
-def average_gradients(parameters: list[Tensor], processes: Processes) -> None:
-    """Mean of ``p.grad`` over the processes (the deterministic baselines under torchrun;
-    FSDP2 averages them itself)."""
-    if processes.world == 1 or processes.sharded:
+def average_gradients(parameters: list[Tensor], group: Any) -> None:
+    """Mean of ``p.grad`` over the processes of ``group`` (the deterministic baselines under
+    torchrun, :class:`experiments.optimizers.AveragedGradients`; None: one process, or FSDP2,
+    which averages them itself)."""
+    if group is None:
         return
+    world = dist.get_world_size(group)
     for p in parameters:
         if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= processes.world
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= world
 
 
 def _device(processes: Processes) -> torch.device:

@@ -31,16 +31,18 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributions import Distribution
-from torch.nn.functional import cross_entropy
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, skeleton
+from experiments import cli, loop, skeleton
 from experiments.data import load_dataset, test_batches, train_batches
 from experiments.models import build_model
 from experiments.sparsity import first_layer, sparsity
@@ -108,43 +110,44 @@ def _optimizer(
     )
 
 
+@dataclass
+class Walk(loop.Trainee):
+    """The network trained under one noise: model, optimizer, schedule, data order."""
+
+    model: torch.nn.Module
+    optimizer: lgb.MultiplicativeBLR
+    scheduler: LambdaLR
+    data_rng: torch.Generator
+
+
 def run(
     noise: str, widths: list[int], passes: int, samples: int, seed: int
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     """Train the network; one row of first-layer log-g⁺ and |θ| statistics per pass, and the
-    final test metrics and sparsity."""
+    final test metrics and sparsity. Nothing checks for divergence: the weights that blow up
+    are what the walk shows."""
     skeleton.seed_everything(seed)
     data = load_dataset("mnist5k", "data")
     model = build_model("mlp", (1, 28, 28), 10, widths=widths, activation="tanh")
     weight = first_layer(model)
     opt = _optimizer(model, noise, samples, len(data.train_y), seed)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda e: 0.5 * (1 + math.cos(math.pi * e / passes))
-    )
+    schedule = LambdaLR(opt, lambda e: 0.5 * (1 + math.cos(math.pi * e / passes)))
     log_g0 = opt.group_element(weight)["g+"].log()
-    rng, rows = torch.Generator().manual_seed(seed), []
+    walk_of, rows = Walk(model, opt, schedule, torch.Generator().manual_seed(seed)), []
 
     def train_pass(epoch: int) -> float:
-        losses = []
-        for x, y in train_batches(data, 50, rng, torch.device("cpu")):
+        batches = train_batches(data, 50, walk_of.data_rng, torch.device("cpu"))
+        steps = (partial(opt.step, loop.closure(opt, model, x, y)) for x, y in batches)
+        return walk_of.steps(epoch, steps, f"pass {epoch + 1}/{passes}", diverged=None)
 
-            def closure(x: Tensor = x, y: Tensor = y) -> Tensor:
-                opt.zero_grad()
-                loss = cross_entropy(model(x), y)
-                loss.backward()
-                return loss.detach()
-
-            losses.append(float(opt.step(closure)))
-        return sum(losses) / len(losses)
-
-    epochs = skeleton.timed_epochs(0, passes, train_pass, schedule)
-    for epoch, *_ in tqdm(epochs, total=passes, desc=f"{noise} noise", leave=False):
+    epochs = walk_of.epochs(0, passes, train_pass, diverged=None)
+    for epoch in tqdm(epochs, total=passes, desc=f"{noise} noise", leave=False):
         walk = opt.group_element(weight)["g+"].log() - log_g0
         theta = weight.detach().abs()
         median = theta.median().item()
         rows.append(
             {
-                "pass": epoch + 1,
+                "pass": epoch.done,
                 "sd of log g+ change": walk.std().item(),
                 "max abs theta": theta.max().item(),
                 "median abs theta": median,

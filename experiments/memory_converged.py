@@ -53,15 +53,9 @@ from torch.nn.functional import cross_entropy
 import liegroup_blr as lgb
 from experiments import cli, memory_map, runfiles, skeleton
 from experiments import config as config_module
-from experiments.memory_map import (
-    _inputs,
-    _median_ratio,
-    aggregate,
-    metrics_on_test,
-    pearson,
-    spearman,
-    trained,
-)
+from experiments.memory_map import metrics_on_test, trained
+from experiments.memory_scores import train_inputs
+from experiments.memory_stats import aggregate, median_ratio, pearson, spearman
 from experiments.train import check_runs
 from liegroup_blr.groups import DiagonalAffineGroup
 
@@ -132,7 +126,7 @@ class ShiftRetrainer:
         post = lgb.Posterior.from_optimizer(run.optimizer, run.model)
         self.table = table
         self.model = copy.deepcopy(run.model).double().cpu().eval()
-        x, y = _inputs(run)
+        x, y = train_inputs(run)
         self.x, self.y = x.double().cpu(), y.cpu()
         self.size = len(self.y)
         names = list(dict(self.model.named_parameters()))
@@ -323,9 +317,9 @@ def summarise(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
             "floor_median": float(np.median(floor)),
             "settle_median": float(np.median(settle)),
             "drift_median": float(np.median(drift)),
-            "truth_over_drift": _median_ratio(truth, drift),
+            "truth_over_drift": median_ratio(truth, drift),
             "settle_over_truth_max": float(np.max(settle / truth)),
-            "truth_over_floor": _median_ratio(truth, floor),
+            "truth_over_floor": median_ratio(truth, floor),
             "above_floor": float((truth > floor).mean()),
             "ratio_median": float(np.median(ratio)),
             "ratio_quartiles": [float(q) for q in np.quantile(ratio, [0.25, 0.75])],
@@ -417,7 +411,7 @@ def estimates_of(run: Any, seed: int) -> dict[str, Any]:
     spaces, the estimated change of the logits as a vector (``moved``), and the rankings
     without the estimate: the residual ‖eᵢ‖₁, the total variance tr Vᵢ and the loss at the
     mean (``residual``, ``variance``, ``loss``)."""
-    x, y = _inputs(run)
+    x, y = train_inputs(run)
     out: dict[str, Any] = {"labels": y.cpu()}
     for key in ("logits", "probabilities"):
         mm = lgb.memory_map(run.model, run.optimizer, x, y, method="jacobian", change=key)

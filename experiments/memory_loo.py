@@ -40,7 +40,9 @@ from experiments import cli, memory_map, runfiles, skeleton
 from experiments import config as config_module
 from experiments.data import load_dataset
 from experiments.memory_converged import write_docs_summary
-from experiments.memory_map import _inputs, aggregate, trained
+from experiments.memory_map import trained
+from experiments.memory_scores import train_inputs
+from experiments.memory_stats import aggregate
 from experiments.train import check_runs
 from liegroup_blr import predictive
 
@@ -117,7 +119,7 @@ def _nll(log_p: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 
 def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
     """The summary of one trained run (module docstring)."""
-    x, y = _inputs(run)
+    x, y = train_inputs(run)
     data = run.data
     held_x = data.normalize(data.to_unit(data.test_x)).to(run.device)
     held_y = data.test_y.to(run.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ivon
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import liegroup_blr as lgb
+from experiments import distributed
 from liegroup_blr.distributions import from_name
 
 GROUPS: dict[str, str] = {
@@ -106,13 +107,65 @@ def build_preconditioner(spec: Any, group: lgb.groups.LieGroup) -> Any:
     return factors
 
 
-class IVON(ivon.IVON):
-    """:class:`ivon.IVON` whose ``state_dict`` also holds its step count t.
+class AveragedGradients(torch.optim.Optimizer):
+    """A deterministic baseline under torchrun: after each evaluation of the closure its
+    gradients are averaged over ``process_group`` (None: one process, or FSDP2, which averages
+    them itself). The Lie-group rules sum their algebra-gradient accumulators over their
+    ``process_group`` instead, so every optimizer of :func:`build_optimizer` steps on the same
+    plain closure (:func:`experiments.loop.closure`)."""
+
+    def __init__(self, *args: Any, process_group: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.process_group = process_group
+
+    def averaged(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
+        """``closure`` followed by the mean of the gradients over the processes."""
+        if closure is None or self.process_group is None:
+            return closure
+
+        def evaluate() -> Any:
+            loss = closure()
+            params = [p for group in self.param_groups for p in group["params"]]
+            distributed.average_gradients(params, self.process_group)
+            return loss
+
+        return evaluate
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return super().step(self.averaged(closure))
+
+
+class SGD(AveragedGradients, torch.optim.SGD):
+    """:class:`torch.optim.SGD` that averages its gradients over ``process_group``."""
+
+
+class Adam(AveragedGradients, torch.optim.Adam):
+    """:class:`torch.optim.Adam` that averages its gradients over ``process_group``."""
+
+
+class IVON(AveragedGradients, ivon.IVON):
+    """:class:`ivon.IVON` stepped as the other optimizers are, whose ``state_dict`` also holds
+    its step count t.
+
+    ``step(closure)`` evaluates the closure at each of IVON's ``mc_samples`` posterior
+    samples: each call runs inside ``sampled_params(train=True)``, which draws θ and collects
+    its gradient (averaged over ``process_group`` before it is collected).
 
     IVON divides its momentum by the bias correction 1 − β₁ᵗ, and ``ivon.IVON`` keeps t in an
     attribute outside its state dict: a resumed run would restart at t = 0 and take a first
     step 1/(1 − β₁) times too large. With t in the state dict a resumed run continues exactly.
     """
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        averaged = self.averaged(closure)
+        if averaged is None:
+            return ivon.IVON.step(self)
+
+        def sampled() -> Any:
+            with self.sampled_params(train=True):
+                return averaged()
+
+        return ivon.IVON.step(self, sampled)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "current_step": self.current_step}
@@ -134,17 +187,26 @@ def build_optimizer(
 
     Baselines get the prior as weight decay δ/N (SGD with EMA momentum: dampening = β);
     so does IVON, whose prior precision is ``weight_decay`` × ``ess`` (= δ with the default
-    ``ess`` = N). The BLR optimizers receive δ, τ and N themselves, and ``process_group``
-    under torchrun. ``vi`` is posteriors' mean-field VI (:mod:`experiments.meanfield`, the
-    peers' environment only).
+    ``ess`` = N). The BLR optimizers receive δ, τ and N themselves. Under torchrun every
+    optimizer gets the ``process_group`` (the baselines average their gradients over it,
+    :class:`AveragedGradients`), so each steps on a plain closure. ``vi`` is posteriors'
+    mean-field VI (:mod:`experiments.meanfield`, the peers' environment only).
     """
     name, lr = cfg["name"], cfg["lr"]
     decay = cfg["prior_precision"] / data_size
     if name == "sgd":
         beta = cfg["momentum"]
-        return torch.optim.SGD(params, lr, momentum=beta, dampening=beta, weight_decay=decay)
+        return SGD(
+            params,
+            lr,
+            momentum=beta,
+            dampening=beta,
+            weight_decay=decay,
+            process_group=process_group,
+        )
     if name == "adam":
-        return torch.optim.Adam(params, lr, betas=tuple(cfg["betas"]), weight_decay=decay)
+        betas = tuple(cfg["betas"])
+        return Adam(params, lr, betas=betas, weight_decay=decay, process_group=process_group)
     if name == "ivon":
         clip = cfg["clip_radius"]
         return IVON(
@@ -158,6 +220,7 @@ def build_optimizer(
             mc_samples=cfg["mc_samples"],
             hess_approx=cfg["hess_approx"],
             clip_radius=math.inf if clip is None else clip,
+            process_group=process_group,
         )
     if name == "vi":
         return _mean_field(cfg, params, data_size)

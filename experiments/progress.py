@@ -96,19 +96,22 @@ class Progress:
         overall = sum(self.seconds[m] for m in measured) / sum(self.units[m] for m in measured)
         rate = {m: self.seconds[m] / self.units[m] for m in measured}
         return sum(
-            rate.get(run.label, overall) * run.cost * (run.epochs - run.done)
+            rate.get(run.label, overall) * run.cost * max(run.epochs - run.done, 0)
             for key, run in self.plan.items()
             if key not in self.ended
         )
 
-    def line(self) -> str:
-        """``runs D/T done, E elapsed, about L left``."""
+    def times(self) -> str:
+        """``E elapsed, about L left``."""
         left = self.seconds_left()
         estimate = (
             "time left known after an epoch" if left is None else f"about {duration(left)} left"
         )
-        elapsed = duration(self.clock() - self.begun)
-        return f"runs {len(self.ended)}/{len(self.plan)} done, {elapsed} elapsed, {estimate}"
+        return f"{duration(self.clock() - self.begun)} elapsed, {estimate}"
+
+    def line(self) -> str:
+        """``runs D/T done, E elapsed, about L left``."""
+        return f"runs {len(self.ended)}/{len(self.plan)} done, {self.times()}"
 
 
 if __name__ == "__main__":

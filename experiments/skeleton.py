@@ -12,8 +12,9 @@ label → seed → run config (:mod:`experiments.config`), then::
 
 where ``RUNNER`` (:class:`Runner`) trains one run into its folder. That trainer seeds with
 :func:`seed_everything`, checks its folder with :func:`check_run_folder` and
-:func:`check_same_config`, restores with :func:`restore`, trains with :func:`timed_epochs`
-and saves its checkpoint with every RNG state of :func:`rng_state` after every epoch.
+:func:`check_same_config`, and trains on the loop of experiments/loop.py
+(:class:`~experiments.loop.Trainee`: its epochs on :func:`timed_epochs`, its checkpoint
+after every epoch with every RNG state of :func:`rng_state`, restored by :func:`restore`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -24,15 +23,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-import liegroup_blr as lgb
-from experiments import cli, distributed, runfiles, skeleton
+from experiments import cli, distributed, loop, runfiles, skeleton
 from experiments import config as config_module
 from experiments.batches import BatchOptimizer
 from experiments.data import (
@@ -45,8 +42,9 @@ from experiments.data import (
 )
 from experiments.distributed import Processes
 from experiments.evaluate import evaluate
+from experiments.loop import DivergedError, Divergence, Epoch
 from experiments.models import build_model
-from experiments.optimizers import IVON, build_optimizer, lr_factor
+from experiments.optimizers import build_optimizer, lr_factor
 from experiments.progress import Planned
 from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
 from liegroup_blr import predictive
@@ -57,12 +55,8 @@ METRICS = "metrics.jsonl"
 T = TypeVar("T")
 
 
-class DivergedError(runfiles.RunError, FloatingPointError):
-    """Training produced a non-finite loss, parameter, optimizer state or metric."""
-
-
 @dataclass
-class Run:
+class Run(loop.Trainee):
     """Everything a training run holds: config, data, model, optimizer, schedule, RNG."""
 
     cfg: dict[str, Any]
@@ -206,60 +200,18 @@ def _gathered(run: Run) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def save_checkpoint(run: Run, epoch: int, path: Path, history: list[dict[str, Any]]) -> None:
     """Write model, optimizer, scheduler, RNG states, the epoch count and the metrics rows
-    so far atomically (the rows live here so that no kill can lose them)."""
-    state = {
-        "epoch": epoch,
-        "model": distributed.local_state(run.model.state_dict()),
-        "optimizer": distributed.local_state(run.optimizer.state_dict()),
-        "scheduler": run.scheduler.state_dict(),
-        "rng": skeleton.rng_state(run.data_rng),
-        "history": history,
-    }
-    runfiles.save_torch(path, state)
+    so far atomically (:meth:`experiments.loop.Trainee.save`)."""
+    run.save(path, {"epoch": epoch}, history=history)
 
 
 def load_checkpoint(run: Run, path: Path) -> tuple[int, list[dict[str, Any]]]:
     """Restore a checkpoint written by :func:`save_checkpoint`; returns its epoch count and
     metrics rows (a checkpoint from before the rows were kept: those of ``metrics.jsonl``)."""
-    state = skeleton.restore(
-        path,
-        {
-            "model": partial(distributed.load_model_state, run.model, processes=run.processes),
-            "optimizer": run.optimizer.load_state_dict,
-            "scheduler": run.scheduler.load_state_dict,
-            "rng": partial(skeleton.set_rng_state, run.data_rng),
-        },
-        lambda state: (int(state["epoch"]), state),
-    )
-    epoch, state = state
+    epoch, state = run.restore(path, lambda state: (int(state["epoch"]), state))
     if "history" in state:
         return epoch, state["history"]
     rows = runfiles.read_jsonl(path.with_name(METRICS))
     return epoch, [r for r in rows if r["epoch"] <= epoch]
-
-
-def _closure(run: Run, x: torch.Tensor, y: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """The closure ``optimizer.step`` calls at each sample: mean cross-entropy ℓ̄, backward
-    (and, for the baselines under torchrun, the mean gradient over processes).
-
-    IVON's ``step`` calls the closure ``mc_samples`` times without sampling: each call runs
-    inside IVON's ``sampled_params(train=True)``, which draws θ and collects its gradient.
-    """
-    opt = run.optimizer
-
-    def closure() -> torch.Tensor:
-        sample = (
-            opt.sampled_params(train=True) if isinstance(opt, IVON) else contextlib.nullcontext()
-        )
-        with sample:
-            opt.zero_grad()
-            loss = cross_entropy(run.model(x), y)
-            loss.backward()
-            if not isinstance(opt, lgb.optim.BLROptimizer):
-                distributed.average_gradients(list(run.model.parameters()), run.processes)
-        return loss.detach()
-
-    return closure
 
 
 def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -268,17 +220,17 @@ def _step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     With ``vectorize`` or ``batch_split > 1`` the samples go through
     :func:`liegroup_blr.mc.mc_step` (vmap over samples; each sample on its own slice of the
     batch, the reference's ``batchsplit``); a :class:`~experiments.batches.BatchOptimizer`
-    takes the minibatch itself; else through ``optimizer.step(closure)``.
+    takes the minibatch itself; else through ``optimizer.step`` on the mean cross-entropy's
+    closure (:func:`experiments.loop.closure`), which every other optimizer takes alike.
     """
     ocfg = run.cfg["optimizer"]
     x, y = distributed.local_batch(x, y, run.cfg["parallel"], run.processes)
     if isinstance(run.optimizer, BatchOptimizer):
         return run.optimizer.step(batch=(run.model, x, y))
     if _vectorized(ocfg):
-        assert isinstance(run.optimizer, lgb.optim.BLROptimizer)
         options = {"vectorize": ocfg["vectorize"], "batch_split": ocfg["batch_split"]}
         return float(mc_step(run.optimizer, run.model, cross_entropy, x, y, **options))
-    return float(run.optimizer.step(_closure(run, x, y)))  # type: ignore[arg-type]
+    return float(run.optimizer.step(loop.closure(run.optimizer, run.model, x, y)))
 
 
 def _vectorized(ocfg: dict[str, Any]) -> bool:
@@ -287,53 +239,15 @@ def _vectorized(ocfg: dict[str, Any]) -> bool:
 
 
 def train_epoch(run: Run, epoch: int) -> float:
-    """One pass over the training set; returns the mean training loss (at posterior samples).
-
-    Raises :class:`DivergedError` as soon as a loss or, after an update, a parameter is not
-    finite (a last update can break the parameters while every loss was finite).
-    """
+    """One pass over the training set (:meth:`experiments.loop.Trainee.steps`); returns the
+    mean training loss (at posterior samples). Raises :class:`DivergedError` as soon as a
+    loss or, after an update, a parameter is not finite."""
     cfg = run.cfg
-    batches = train_batches(
-        run.data, cfg["data"]["batch_size"], run.data_rng, run.device, cfg["data"]["augment"]
-    )
-    total = len(run.data.train_y) // cfg["data"]["batch_size"]
-    bar = tqdm(
-        batches,
-        total=total,
-        desc=f"epoch {epoch + 1}/{cfg['schedule']['epochs']}",
-        unit="batch",
-        disable=None if run.processes.main else True,
-        leave=False,
-    )
-    losses, start = [], time.perf_counter()
-    run.model.train()
-    for step, (x, y) in enumerate(bar, 1):
-        loss = _step(run, x, y)
-        if not math.isfinite(loss):
-            raise _diverged(epoch, f"loss {loss} at step {step}")
-        if not runfiles.all_finite([distributed.local(p) for p in run.model.parameters()]):
-            raise _diverged(epoch, f"non-finite parameters after the update of step {step}")
-        losses.append(loss)
-        rate = len(losses) * len(y) / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{loss:.4f}", img_per_s=f"{rate:.0f}")
-    return distributed.mean(float(np.mean(losses)), run.processes)
-
-
-def _diverged(epoch: int, what: str) -> DivergedError:
-    return DivergedError(
-        f"training diverged in epoch {epoch + 1}: {what}; nothing of this epoch was saved. "
-        "Lower [optimizer].lr (or raise the prior precision) and train into a new folder"
-    )
-
-
-def _check_state(run: Run, epoch: int) -> None:
-    """Parameters and optimizer state must be finite before they are checkpointed."""
-    if not runfiles.all_finite([distributed.local(p) for p in run.model.parameters()]):
-        raise _diverged(epoch, "non-finite parameters at the end of the epoch")
-    state = [t for s in run.optimizer.state.values() if isinstance(s, dict) for t in s.values()]
-    state += [v for g in run.optimizer.param_groups for k, v in g.items() if k != "params"]
-    if not runfiles.all_finite([t for t in state if isinstance(t, torch.Tensor)]):
-        raise _diverged(epoch, "non-finite optimizer state at the end of the epoch")
+    size = cfg["data"]["batch_size"]
+    batches = train_batches(run.data, size, run.data_rng, run.device, cfg["data"]["augment"])
+    steps = (partial(_step, run, x, y) for x, y in batches)
+    desc = f"epoch {epoch + 1}/{cfg['schedule']['epochs']}"
+    return run.steps(epoch, steps, desc, total=len(run.data.train_y) // size, size=size)
 
 
 def checkpoint_path(out: Path, processes: Processes) -> Path:
@@ -427,8 +341,6 @@ def train(
             runfiles.write_json(out / CONFIG, cfg)
             runfiles.write_jsonl(out / METRICS, history)
         distributed.barrier(processes)
-        if progress is not None:
-            progress(start)
         results = _train(run, out, start, history, progress, title)
     return results
 
@@ -446,18 +358,15 @@ def _train(
     ckpt = checkpoint_path(out, processes)
     test = test_batches(run.data, cfg["data"]["test_batch_size"], run.device)
     epochs = cfg["schedule"]["epochs"]
-    for epoch, lr, loss, seconds in skeleton.timed_epochs(
-        start, epochs, partial(train_epoch, run), run.scheduler
-    ):
-        _check_state(run, epoch)
+    for epoch in run.epochs(start, epochs, partial(train_epoch, run), progress):
         if processes.main or processes.sharded:  # sharded: the forward passes gather
-            note = progress(epoch + 1) if progress is not None else ""
-            row = _epoch_row(run, test, epoch, lr, loss, seconds, note)
+            row = _epoch_row(run, test, epoch)
         if processes.main:
             if runfiles.nonfinite(row):
-                raise _diverged(epoch, f"non-finite test metrics {runfiles.nonfinite(row)}")
+                what = f"non-finite test metrics {runfiles.nonfinite(row)}"
+                raise Divergence(epoch.index, what).error()
             history.append(row)
-        save_checkpoint(run, epoch + 1, ckpt, history)
+        save_checkpoint(run, epoch.done, ckpt, history)
         if processes.main:
             runfiles.write_jsonl(out / METRICS, history)
     model, optimizer = run.model, run.optimizer
@@ -488,31 +397,25 @@ def _train(
 
 
 def _epoch_row(
-    run: Run,
-    test: list[tuple[torch.Tensor, torch.Tensor]],
-    epoch: int,
-    lr: float,
-    loss: float,
-    seconds: float,
-    note: str = "",
+    run: Run, test: list[tuple[torch.Tensor, torch.Tensor]], epoch: Epoch
 ) -> dict[str, Any]:
     """The epoch's metrics line (test accuracy and NLL at the point estimate), also printed
-    (followed by ``note``)."""
+    (followed by what the progress said)."""
     log_probs = predictive.predictive_log_probs(run.model, [x for x, _ in test])
     labels = torch.cat([y for _, y in test])
     row = {
-        "epoch": epoch + 1,
-        "lr": lr,
-        "train_loss": loss,
+        "epoch": epoch.done,
+        "lr": epoch.lr,
+        "train_loss": epoch.loss,
         "test_accuracy": predictive.accuracy(log_probs, labels),
         "test_nll": predictive.nll(log_probs, labels),
-        "train_seconds": seconds,
+        "train_seconds": epoch.seconds,
     }
     if run.processes.main:
         tqdm.write(
-            f"epoch {epoch + 1}/{run.cfg['schedule']['epochs']}: loss {loss:.4f}, test accuracy "
-            f"at g {100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, {seconds:.1f}s"
-            + (f" | {note}" if note else "")
+            f"epoch {epoch.done}/{run.cfg['schedule']['epochs']}: loss {epoch.loss:.4f}, test "
+            f"accuracy at g {100 * row['test_accuracy']:.2f}%, NLL {row['test_nll']:.4f}, "
+            f"{epoch.seconds:.1f}s" + (f" | {epoch.note}" if epoch.note else "")
         )
     return row
 

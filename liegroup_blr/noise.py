@@ -210,10 +210,11 @@ class NoiseSource:
     def state_dict(self) -> dict[str, Any]:
         """Seed and the states of the training (``"rng"``) and prediction (``"predict_rng"``)
         generators."""
+        rng, predict = self._generators, self._predict  # (one call: the engine's per step)
         return {
-            "seed": self.seed,
-            "rng": _states(self._generators),
-            "predict_rng": _states(self._predict),
+            "seed": self._seed,
+            "rng": {f"{device}{shard}": gen.get_state() for (device, shard), gen in rng.items()},
+            "predict_rng": {f"{d}{shard}": gen.get_state() for (d, shard), gen in predict.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -408,8 +409,3 @@ def noise_source(
             f"got {noise!r}"
         )
     return Antithetic(source) if antithetic else source
-
-
-def _states(generators: dict[tuple[torch.device, str], torch.Generator]) -> dict[str, Tensor]:
-    """Each generator's state, by ``"<device><shard>"``."""
-    return {f"{device}{shard}": gen.get_state() for (device, shard), gen in generators.items()}

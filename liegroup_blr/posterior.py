@@ -28,22 +28,26 @@ from . import posterior_io
 from .distributions import check_base, sample_into
 from .groups import LieGroup
 
-__all__ = ["Posterior", "PosteriorEntry", "holder"]
+__all__ = ["Posterior", "PosteriorEntry", "holder", "wrapped"]
 
 _POINT_ESTIMATES = ("g", "mean")
 
 
-def holder(optimizer: Any) -> Any:
-    """The optimizer of a chain of wrappers (Lightning's ``LightningOptimizer``, accelerate's
-    ``AcceleratedOptimizer``, anything holding it as ``.optimizer`` or ``._optimizer``) that
-    holds a posterior (has ``posterior()``: a Lie-group BLR optimizer), or ``None``."""
+def wrapped(optimizer: Any) -> Iterator[Any]:
+    """``optimizer`` and each optimizer it wraps, outermost first: Lightning's
+    ``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``, anything holding the next as
+    ``.optimizer`` or ``._optimizer`` (a cycle ends the chain)."""
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
-        if callable(getattr(optimizer, "posterior", None)):
-            return optimizer
+        yield optimizer
         seen.add(id(optimizer))
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-    return None
+
+
+def holder(optimizer: Any) -> Any:
+    """The optimizer of a chain of wrappers (:func:`wrapped`) that holds a posterior (has
+    ``posterior()``: a Lie-group BLR optimizer), or ``None``."""
+    return next((o for o in wrapped(optimizer) if callable(getattr(o, "posterior", None))), None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -317,7 +321,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
 
     @staticmethod
     @contextmanager
-    def _holding(
+    def _swapped(
         targets: list[tuple[str | int, nn.Parameter]], values: dict[str | int, Tensor]
     ) -> Iterator[None]:
         """``values`` in the target parameters for the block, their old values after it."""
@@ -344,13 +348,13 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
                 parameters than a posterior keyed by position, or another shape.
         """
         targets = self._targets(model)  # refused before any draw
-        with self._holding(targets, self.sample(generator)):
+        with self._swapped(targets, self.sample(generator)):
             yield
 
     @contextmanager
     def at_point_estimate(self, model: nn.Module) -> Iterator[None]:
         """Hold the point estimate (:meth:`point_estimates`) in ``model`` for the block."""
-        with self._holding(self._targets(model), self.point_estimates()):
+        with self._swapped(self._targets(model), self.point_estimates()):
             yield
 
     @torch.no_grad()

@@ -6,7 +6,8 @@ along its own dimensions (a stacked state ``(2, …)`` along the next one): the 
 the local shards (:func:`local`), the initial state is the one process's, cut to the shard
 (:func:`shard_of`), the state dict holds DTensors again (:func:`as_dtensor`), table noise is
 served by global index and fresh noise per shard (:func:`shard_name`), and the ranks agree on
-every skip (:func:`agree`).
+every skip (:func:`agree`). :class:`Shards` is the optimizer's component that does all of this
+for its parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor
 
 __all__ = [
     "SHARDED",
+    "Shards",
     "agree",
     "as_dtensor",
     "check_sharded",
@@ -126,3 +128,51 @@ def shard_name(key: Tensor) -> str:
     coordinate = key.device_mesh.get_coordinate() or []
     dims = [d for d, q in enumerate(key.placements) if q.is_shard()]
     return "/shard" + ",".join(str(coordinate[d]) for d in dims)
+
+
+class Shards:
+    """An optimizer's sharded parameters: admitted one by one, their local shards, their
+    gradients' and their states, and the ranks' agreement on a skip.
+
+    Attributes:
+        mesh_param: a sharded parameter, whose device mesh agrees on skips (``None``: no
+            parameter is sharded, and the optimizer uses the parameters themselves).
+    """
+
+    def __init__(self) -> None:
+        self.mesh_param: Any = None
+
+    def admit(self, p: Tensor, group: Any, process_group: Any) -> None:
+        """Take a new parameter (:func:`check_sharded` for a sharded one)."""
+        if isinstance(p, SHARDED):
+            check_sharded(p, group, process_group)
+            if self.mesh_param is None:
+                self.mesh_param = p
+
+    def grads(self, grads: list[Any], params: list[Tensor]) -> list[Any]:
+        """The gradients of ``params`` as their local shards (:func:`local_grad`)."""
+        return [None if g is None else local_grad(g, p) for g, p in zip(grads, params, strict=True)]
+
+    def initial(self, init: Any, p: Tensor) -> dict[str, Tensor]:
+        """``init(p)``, the initial state of ``p``: of a sharded one, one process's state of
+        the whole parameter (gathered), cut to its shard."""
+        if isinstance(p, SHARDED):
+            return {k: shard_of(v, p).clone() for k, v in init(p.full_tensor()).items()}
+        return init(p)
+
+    def agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (:func:`agree`; ``ok`` when nothing is sharded)."""
+        return ok if self.mesh_param is None else agree(ok, self.mesh_param)
+
+    def placed(self, state: dict[str, Tensor], p: Tensor) -> dict[str, Any]:
+        """Tensors of ``p``'s state as the optimizer hands them out (its state dict, its
+        group elements): the local shards of a sharded one as DTensors (:func:`as_dtensor`)."""
+        return {k: as_dtensor(v, p) for k, v in state.items()} if isinstance(p, SHARDED) else state
+
+    def local_like(self, value: Any, state: Tensor, p: Tensor) -> Tensor:
+        """A value for ``p``'s ``state``: a DTensor placed as :meth:`placed` places the state
+        becomes the local shard; any other tensor is taken as it is."""
+        if not isinstance(value, SHARDED):
+            return value
+        placed = as_dtensor(state, p)
+        return local(value.redistribute(placed.device_mesh, placed.placements))

@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
+from experiments import loop
 from experiments.benchmarks.step_time import RULES, Countdown, mean_time
 from experiments.models import MLP, ResNet
 
@@ -89,12 +90,8 @@ def seconds(fn: Callable[[], object], steps: int, rounds: int) -> float:
 
 
 def sgd_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor, **kw) -> Callable:
-    def step() -> None:
-        opt.zero_grad()
-        LOSS(model(x), y).backward()
-        opt.step()
-
-    return step
+    closure = loop.closure(opt, model, x, y, LOSS)
+    return lambda: opt.step(closure)
 
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:

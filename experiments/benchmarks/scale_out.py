@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import liegroup_blr as lgb
+from experiments import loop
 from experiments.models import MLP
 
 BATCH = 50
@@ -87,18 +88,6 @@ def memory(opt: torch.optim.Optimizer) -> dict[str, int]:
     return {"state": sum(t.nbytes for t in state)}
 
 
-def _closure(
-    opt: torch.optim.Optimizer, model: nn.Module, x: torch.Tensor, y: torch.Tensor
-) -> Callable[[], float]:
-    def closure() -> float:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return float(loss.detach())
-
-    return closure
-
-
 def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
     torch.set_num_threads(1)
     if world > 1:
@@ -122,7 +111,7 @@ def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
             x, y = x[part], y[part]
             opt = make(model.parameters())
 
-            closure = _closure(opt, model, x, y)
+            closure = loop.closure(opt, model, x, y)
             for _ in range(2):
                 opt.step(closure)
             times = []

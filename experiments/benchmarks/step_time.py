@@ -41,8 +41,10 @@ import torch
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
+from experiments import loop
 from experiments.models import CNN, MLP
-from experiments.progress import duration
+from experiments.optimizers import IVON
+from experiments.progress import Planned, Progress
 from liegroup_blr.optim.kernel_utils import compiled, rows
 from liegroup_blr.optim.multiplicative import multiplicative_update
 
@@ -80,32 +82,25 @@ def timed(fn: Callable[[], object]) -> float:
 
 class Countdown:
     """Prints ``[PROG] WHAT: E elapsed, about L left`` after each piece of work of a plan of
-    ``totals`` units per kind of work: L is Σ over the kinds of their seconds per unit so far
-    (a kind not begun: all the work's) times their units left."""
+    ``totals`` units per kind of work: the drivers' time left
+    (:class:`experiments.progress.Progress`), each kind of work a run of its units at its own
+    seconds per unit (a kind not begun: all the work's)."""
 
     def __init__(
         self, prog: str, totals: dict[str, float], clock: Callable[[], float] = time.perf_counter
     ) -> None:
-        self.prog, self.totals, self.clock = prog, totals, clock
-        self.done = dict.fromkeys(totals, 0.0)
-        self.seconds = dict.fromkeys(totals, 0.0)
-        self.begun = self.mark = clock()
+        self.prog = prog
+        plan = {(kind, 0): Planned(kind, total) for kind, total in totals.items()}  # type: ignore[arg-type]
+        self.progress = Progress(plan, clock)
+        for key in plan:  # every kind starts now, at 0 units done
+            self.progress.epoch(key, 0)
 
     def tick(self, what: str, units: float = 1.0, kind: str = "") -> str:
         """``units`` more of ``kind`` are done (the last: ``what``); prints and returns the
         line."""
-        now = self.clock()
-        self.done[kind] += units
-        self.seconds[kind] += now - self.mark
-        self.mark = now
-        overall = sum(self.seconds.values()) / sum(self.done.values())
-        left = sum(
-            (self.seconds[k] / self.done[k] if self.done[k] else overall)
-            * max(self.totals[k] - self.done[k], 0.0)
-            for k in self.totals
-        )
-        elapsed = duration(now - self.begun)
-        line = f"[{self.prog}] {what}: {elapsed} elapsed, about {duration(left)} left"
+        key = (kind, 0)
+        self.progress.epoch(key, self.progress.plan[key].done + units)  # type: ignore[arg-type]
+        line = f"[{self.prog}] {what}: {self.progress.times()}"
         print(line, flush=True)
         return line
 
@@ -150,7 +145,7 @@ def _optimizers(
     makers: dict[str, Callable[..., torch.optim.Optimizer]] = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4, foreach=True),
-        "ivon": lambda ps: ivon.IVON(ps, lr=1e-3, ess=DATA_SIZE),
+        "ivon": lambda ps: IVON(ps, lr=1e-3, ess=DATA_SIZE),
         **RULES,
         "affine student-t": _student_t_affine,
         f"affine{TABLE}": functools.partial(RULES["affine"], noise="table"),
@@ -174,23 +169,10 @@ def _set_grads(model: nn.Module) -> None:
 
 
 def _full_step(opt: torch.optim.Optimizer, model: nn.Module, x: Tensor, y: Tensor):
-    def closure() -> Tensor:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
-    if isinstance(opt, lgb.optim.BLROptimizer):
-        return lambda: opt.step(closure)
-    if isinstance(opt, ivon.IVON):
-
-        def ivon_step() -> None:
-            with opt.sampled_params(train=True):
-                closure()
-            opt.step()
-
-        return ivon_step
-    return lambda: (closure(), opt.step())
+    """One training step as the drivers take it: ``step`` on the loss's closure, which every
+    optimizer takes alike (IVON evaluates it at its posterior sample)."""
+    closure = loop.closure(opt, model, x, y)
+    return lambda: opt.step(closure)
 
 
 def _arithmetic(opt: torch.optim.Optimizer) -> Callable[[], float]:

@@ -13,7 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from ..optim import BLROptimizer
-from .holding import averaged, blr_optimizers, check_evaluate, park, point, resume
+from .evaluation import averaged, blr_optimizers, check_evaluate, park, point, resume
 
 __all__ = ["BLRCallback"]
 
@@ -55,7 +55,7 @@ class BLRCallback(pl.Callback):
         self.samples = samples
         self._optimizers: list[BLROptimizer] = []
         self._parked: list[BLROptimizer] = []
-        self._holding: ExitStack | None = None
+        self._evaluation: ExitStack | None = None
 
     # ------------------------------------------------------------------- fit
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -96,14 +96,14 @@ class BLRCallback(pl.Callback):
             own = vars(pl_module).get("forward")
             pl_module.forward = averaged(pl_module.forward, optimizers, self.samples)  # type: ignore[method-assign]
             stack.callback(_put_forward, pl_module, own)
-        self._holding = stack
+        self._evaluation = stack
 
     def _end(
         self, trainer: pl.Trainer | None = None, pl_module: pl.LightningModule | None = None
     ) -> None:
-        if self._holding is not None:
-            holding, self._holding = self._holding, None
-            holding.close()
+        if self._evaluation is not None:
+            evaluation, self._evaluation = self._evaluation, None
+            evaluation.close()
 
     on_validation_start = on_test_start = on_predict_start = _begin
     on_validation_end = on_test_end = on_predict_end = _end

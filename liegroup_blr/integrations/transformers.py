@@ -18,7 +18,7 @@ import transformers
 from torch import Tensor, nn
 
 from ..optim import BLROptimizer, unwrap
-from .holding import averaged, blr_optimizers, check_evaluate, park, point, resume
+from .evaluation import averaged, blr_optimizers, check_evaluate, park, point, resume
 
 __all__ = ["BLRTrainer", "BLRTrainerCallback"]
 

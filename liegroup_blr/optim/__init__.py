@@ -1,8 +1,11 @@
 """torch.optim optimizers implementing the Lie-group Bayesian learning rule.
 
-The rule modules (:mod:`~liegroup_blr.optim.additive`, ``multiplicative``, ``affine``,
-``generic``) and :mod:`~liegroup_blr.optim.kernel_utils` are public too: each rule's formulas,
-their in-place twins and its compiled update, for benchmarks and new rules.
+Each optimizer class composes a :class:`Rule` (its arithmetic) with :class:`BLROptimizer` (the
+torch interface), which runs it through the Monte-Carlo loop of
+:mod:`~liegroup_blr.optim.engine`. The rule modules (:mod:`~liegroup_blr.optim.additive`,
+``multiplicative``, ``affine``, ``generic``) and :mod:`~liegroup_blr.optim.kernel_utils` are
+public too: each rule's formulas, their in-place twins and its compiled update, for benchmarks
+and new rules.
 """
 
 from . import additive, affine, generic, kernel_utils, multiplicative
@@ -13,6 +16,7 @@ from .checkpoint import TrainingState
 from .generic import LieGroupBLR
 from .multiplicative import MultiplicativeBLR
 from .options import EngineOptions
+from .rule import Rule
 from .tensors import Sample
 from .wrappers import unwrap
 
@@ -23,6 +27,7 @@ __all__ = [
     "EngineOptions",
     "LieGroupBLR",
     "MultiplicativeBLR",
+    "Rule",
     "Sample",
     "TrainingState",
     "additive",

@@ -4,8 +4,9 @@ r"""The additive rule: noisy SGD with momentum, θ = m + ξ.
     \hat X = \frac1S \sum_s \nabla\bar\ell_\delta(m + \xi_s), \qquad
     M \leftarrow \beta M + (1-\beta)\hat X, \qquad m \leftarrow m - \alpha M.
 
-The class holds the hyperparameters and the initial state; below it the formulas, their
-in-place twins for eager steps, and the dispatcher :func:`additive` at the end.
+The optimizer class holds the hyperparameters, the rule class the initial state and the calls
+the engine makes; below them the formulas, their in-place twins for eager steps, and the
+dispatcher :func:`additive` at the end.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from ..groups import AdditiveGroup
 from .base import BLROptimizer
 from .kernel_utils import compiled, momentum
 from .options import EngineOptions
+from .rule import Rule
 from .scratch import state_dtype
 from .tensors import GroupTensors, Proposal
 
 __all__ = [
     "AdditiveBLR",
+    "AdditiveRule",
     "additive",
     "additive_accumulate",
     "additive_draw",
@@ -93,33 +96,33 @@ class AdditiveBLR(BLROptimizer):
             prior_precision=prior_precision,
             weight_decay=weight_decay,
         )
+        rule = AdditiveRule(AdditiveGroup())
         super().__init__(
-            params,
-            defaults,
-            AdditiveGroup(),
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            **engine,
+            params, defaults, rule, mc_samples=mc_samples, point_estimate=point_estimate, **engine
         )
 
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+
+class AdditiveRule(Rule):
+    """The additive rule as the engine calls it (:class:`~.rule.Rule`)."""
+
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         m = p.detach().to(state_dtype(p), copy=True)
         return {"element": m, "momentum": torch.zeros_like(m)}
 
-    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+    def draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
         additive_draw(t.elements, xi, t.params)
         return xi
 
-    def _accumulate(self, group, t, noise, grads, first) -> None:
+    def accumulate(self, group, t, noise, grads, first) -> None:
         additive_accumulate(t.accs, grads, first=first)
 
-    def _propose(self, group, t, n, sample, offset, draw) -> Proposal:
+    def propose(self, group, t, n, sample, offset, draw) -> Proposal:
         grads = None if sample is None else sample[1]
         prior = offset if isinstance(offset, list) else None  # the entropy's is 0: constant
         beta, lr, c = group["momentum"], group["lr"], self.compile
         return additive(t, grads, n=n, beta=beta, lr=lr, offset=prior, draw=draw, compile=c)
 
-    def _write_point(self, group, params, elements, mean) -> None:
+    def write_point(self, group, params, elements, mean) -> None:
         additive_readout_(params, elements, mean=mean)
 
 

@@ -9,8 +9,9 @@ Elements stack [A, b], momenta [M_U, M_V] (shape (2, …)); the accumulators sta
     b \leftarrow b - \alpha_1 A \odot M_V \odot \varphi(-\alpha_1 M_U), \qquad
     A \leftarrow A \odot e^{-\alpha_2 M_U}, \qquad \varphi(x) = \frac{e^x - 1}{x}.
 
-The class holds the hyperparameters and the initial state; below it the formulas, their
-in-place twins for eager steps, and the dispatcher :func:`affine` at the end.
+The optimizer class holds the hyperparameters, the rule class the initial state and the calls
+the engine makes; below them the formulas, their in-place twins for eager steps, and the
+dispatcher :func:`affine` at the end.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from .base import BLROptimizer
 from .checks import check_number
 from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
 from .options import EngineOptions
+from .rule import Rule
 from .scratch import state_dtype
 from .tensors import GroupTensors, Proposal, SampleGrads
 
 __all__ = [
     "AffineBLR",
+    "AffineRule",
     "affine",
     "affine_accumulate",
     "affine_draw",
@@ -94,8 +97,6 @@ class AffineBLR(BLROptimizer):
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
-    lie_group: DiagonalAffineGroup
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -129,42 +130,45 @@ class AffineBLR(BLROptimizer):
         super().__init__(
             params,
             defaults,
-            DiagonalAffineGroup(),
+            AffineRule(DiagonalAffineGroup()),
             mc_samples=mc_samples,
             point_estimate=point_estimate,
             **engine,
         )
 
-    def _validate(self, options: dict[str, Any]) -> None:
-        super()._validate(options)
+
+class AffineRule(Rule):
+    """The diagonal affine rule as the engine calls it (:class:`~.rule.Rule`)."""
+
+    lie_group: DiagonalAffineGroup
+
+    def validate(self, options: dict[str, Any]) -> None:
         check_number(options, "scale_lr", 0.0, closed=False)
         check_number(options, "scale_momentum", 0.0, 1.0)
         check_number(options, "init_scale", 0.0, closed=False)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+    def setup(self, group: dict[str, Any]) -> None:
         group.setdefault("scale_ratio", group["scale_lr"] / group["lr"])  # α₂ / α₁
 
-    def _upgrade(self, param_groups: list[dict[str, Any]]) -> None:
+    def upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         for group in param_groups:  # state dicts made before scale_ratio kept initial_lr
             group.setdefault(
                 "scale_ratio", group["scale_lr"] / group.get("initial_lr", group["lr"])
             )
 
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         theta = p.detach().to(state_dtype(p))
         element = self.lie_group.from_point(theta, group["init_scale"])
         return {"element": element, "momentum": torch.zeros_like(element)}
 
-    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+    def draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
         affine_draw(t.elements, xi, t.params)
         return xi
 
-    def _accumulate(self, group, t, noise, grads, first) -> None:
+    def accumulate(self, group, t, noise, grads, first) -> None:
         affine_accumulate(t.accs, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample, offset, draw) -> Proposal:
+    def propose(self, group, t, n, sample, offset, draw) -> Proposal:
         lr = group["lr"]
         return affine(
             t,
@@ -178,7 +182,7 @@ class AffineBLR(BLROptimizer):
             compile=self.compile,
         )
 
-    def _write_point(self, group, params, elements, mean) -> None:
+    def write_point(self, group, params, elements, mean) -> None:
         affine_readout_(params, elements, mean=mean)
 
 

@@ -18,16 +18,17 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["inverse_scale", "record_finite", "scaler_step"]
+__all__ = ["Scaled", "expected_skip", "inverse_scale", "record_finite", "scaler_step"]
 
 
 class Scaled(Protocol):
     """What these functions read of an optimizer (besides the ``grad_scale`` and ``found_inf``
     a ``GradScaler.step`` sets on it)."""
 
-    grad_scaler: torch.amp.GradScaler | None
-    mc_samples: int
-
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None: ...
+    @property
+    def mc_samples(self) -> int: ...
     @property
     def pending_samples(self) -> int: ...
     def discard(self) -> None: ...
@@ -61,6 +62,13 @@ def scaler_step(optimizer: Scaled, closure: Callable[[], Any] | None) -> tuple[f
             "grad_scaler=scaler to the optimizer, or take one sample per step"
         )
     return inverse_scale(optimizer), bool(state["found_inf"].item())
+
+
+def expected_skip(optimizer: Scaled) -> bool:
+    """Whether a skipped step is one a GradScaler calibrating its scale expects (not warned
+    of): the step is driven by ``GradScaler.step``, or the optimizer has an enabled scaler."""
+    scaler = optimizer.grad_scaler
+    return "found_inf" in vars(optimizer) or bool(scaler and scaler.is_enabled())
 
 
 class _Flag:

@@ -9,9 +9,9 @@ with :math:`\theta_s(X) = \operatorname{readout}((g \exp X) \cdot \xi_s)`; the a
 gradient is a ``torch.func.vjp`` through the group's ``exp``, ``compose`` and ``act``, the
 entropy gradient a ``torch.func.grad`` of ``log_abs_det``. P is the preconditioner.
 
-Read top to bottom: the class (hyperparameters, initial state, the preconditioners and entropy
-gradients it caches), the kernels written with the group's operations, and :func:`generic`,
-the update, eager or compiled.
+Read top to bottom: the optimizer class (hyperparameters), the rule class (initial state, the
+preconditioners it caches, the calls the engine makes), the kernels written with the group's
+operations, and :func:`generic`, the update, eager or compiled.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ from ..groups import LieGroup
 from .base import BLROptimizer
 from .kernel_utils import compiled
 from .options import EngineOptions
+from .rule import Rule
 from .scratch import state_dtype
 from .tensors import GroupTensors, Proposal, SampleGrads
 
 __all__ = [
+    "GenericRule",
     "LieGroupBLR",
     "Preconditioner",
     "generic",
@@ -105,6 +107,8 @@ class LieGroupBLR(BLROptimizer):
         ValueError: naming the argument, for any invalid hyperparameter.
     """
 
+    _rule: GenericRule
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -123,9 +127,6 @@ class LieGroupBLR(BLROptimizer):
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
-        self.init = init
-        self.preconditioner = preconditioner
-        self._metrics: dict[tuple[Any, ...], Any] = {}  # preconditioners
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -135,28 +136,58 @@ class LieGroupBLR(BLROptimizer):
             prior_precision=prior_precision,
             weight_decay=weight_decay,
         )
+        if not isinstance(group, LieGroup):
+            raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
+        rule = GenericRule(group, preconditioner, init)
         super().__init__(
-            params, defaults, group, mc_samples=mc_samples, point_estimate=point_estimate, **engine
+            params, defaults, rule, mc_samples=mc_samples, point_estimate=point_estimate, **engine
         )
+
+    @property
+    def preconditioner(self) -> Preconditioner:
+        """P: ``None``, ``"fisher"``, per-component factors or a callable."""
+        return self._rule.preconditioner
+
+    @property
+    def init(self) -> Callable[[Tensor], Tensor] | None:
+        """The parameter's initial element from its value, if not ``group.from_point``."""
+        return self._rule.init
+
+
+class GenericRule(Rule):
+    """The generic rule as the engine calls it (:class:`~.rule.Rule`): any Lie group, a Lie
+    group per param group, preconditioner P.
+
+    Args:
+        group: the default Lie group.
+        preconditioner: see :class:`LieGroupBLR`.
+        init: see :class:`LieGroupBLR`.
+    """
 
     groups_per_param_group = True
     entropy_as_number = False  # any group: −(τ/N)∇log|det J| per tensor
 
-    def _validate(self, options: dict[str, Any]) -> None:
-        G = options.get("group", self.lie_group)
-        if not isinstance(G, LieGroup):
-            raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {G!r}")
-        super()._validate(options)
-        check_preconditioner(self.preconditioner, G)
+    def __init__(
+        self,
+        group: LieGroup,
+        preconditioner: Preconditioner = None,
+        init: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        super().__init__(group)
+        self.preconditioner = preconditioner
+        self.init = init
+        self._metrics: dict[tuple[Any, ...], Any] = {}  # preconditioners
 
-    def _describe(self, group: dict[str, Any]) -> str:
+    def validate(self, options: dict[str, Any]) -> None:
+        check_preconditioner(self.preconditioner, self.group_of(options))
+
+    def describe(self, group: dict[str, Any]) -> str:
         spec = self.preconditioner
         kind = getattr(spec, "__qualname__", None) if callable(spec) else spec
-        return f"{super()._describe(group)}, preconditioner={kind!r}"
+        return f"{super().describe(group)}, preconditioner={kind!r}"
 
-    # ------------------------------------------------------------ the rule
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
-        G = self._group_of(group)
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+        G = self.group_of(group)
         theta = p.detach().to(state_dtype(p))
         element = (self.init(theta) if self.init else G.from_point(theta)).to(theta).clone()
         if element.shape != G.element_shape(p.shape):
@@ -166,15 +197,15 @@ class LieGroupBLR(BLROptimizer):
             raise ValueError(f"init: returned an invalid element: {reason}")
         return {"element": element, "momentum": theta.new_zeros(G.algebra_shape(p.shape))}
 
-    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
-        generic_draw(self._group_of(group), t.elements, xi, t.params)
+    def draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+        generic_draw(self.group_of(group), t.elements, xi, t.params)
         return xi
 
-    def _accumulate(self, group, t, noise, grads, first) -> None:
-        generic_accumulate(self._group_of(group), t.accs, t.elements, noise, grads, first=first)
+    def accumulate(self, group, t, noise, grads, first) -> None:
+        generic_accumulate(self.group_of(group), t.accs, t.elements, noise, grads, first=first)
 
-    def _propose(self, group, t, n, sample, offset, draw) -> Proposal | None:
-        G = self._group_of(group)
+    def propose(self, group, t, n, sample, offset, draw) -> Proposal | None:
+        G = self.group_of(group)
         offsets = offset if isinstance(offset, list) else [offset] * len(t.params)
         return generic(
             G,
@@ -189,38 +220,29 @@ class LieGroupBLR(BLROptimizer):
             compile=self.compile,
         )
 
-    def _write_point(self, group, params, elements, mean) -> None:
-        G = self._group_of(group)
-        generic_readout_(G, params, elements, mean)
-
-    def _cached(self, kind: str, group: dict[str, Any], p: Tensor, make: Callable[[], Any]) -> Any:
-        """``make()``, made once per kind, param group and ``p``'s shape, dtype and device."""
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
-        key = (kind, index, p.shape, p.dtype, p.device)
-        if key not in self._metrics:
-            self._metrics[key] = make()
-        return self._metrics[key]
+    def write_point(self, group, params, elements, mean) -> None:
+        generic_readout_(self.group_of(group), params, elements, mean)
 
     def _precondition(self, group: dict[str, Any], p: Tensor) -> Callable[[Tensor], Tensor]:
         """P for parameter ``p`` of ``group`` (made once per group, base and shape)."""
-        spec, G = self.preconditioner, self._group_of(group)
+        spec, G = self.preconditioner, self.group_of(group)
         if spec is None:
             return _identity
         if callable(spec):
             return spec
-
-        def make() -> Callable[[Tensor], Tensor]:
+        key = (id(group), p.shape, p.dtype, p.device)
+        made = self._metrics.get(key)
+        if made is None or made[0] is not group:
             if isinstance(spec, str):  # "fisher", from its own draws: a copy or resume agrees
                 generator = torch.Generator().manual_seed(self.seed)
-                return inverse_metric(G, group["base"], p.shape, generator=generator)
-            return partial(_scale_components, factors=component_factors(spec, G))
-
-        return self._cached("preconditioner", group, p, make)
+                made = group, inverse_metric(G, group["base"], p.shape, generator=generator)
+            else:
+                made = group, partial(_scale_components, factors=component_factors(spec, G))
+            self._metrics[key] = made
+        return made[1]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_metrics"] = {}  # cached preconditioners: rebuilt from the seed on use
-        return state
+        return {**self.__dict__, "_metrics": {}}  # rebuilt from the seed on use
 
 
 def _identity(X: Tensor) -> Tensor:

@@ -2,7 +2,7 @@
 (:class:`PointHolding`, ``between_steps="point"``) or a fresh posterior sample
 (:class:`SampleHolding`, ``between_steps="sample"``).
 
-The optimizer asks its holding what to write between steps, what a closure-free ``step()``
+The engine asks its holding what to write between steps, what a closure-free ``step()``
 reads, whether gradients found before a closure are the step's own, and, in sample mode, keeps
 the resident sample with it: the training sample the parameters hold, and the generators'
 state from before its draw, so a state dict draws it again bit for bit.
@@ -17,22 +17,24 @@ from typing import Any, Protocol
 import torch
 
 from ..noise import NoiseSource
+from .options import EngineState
 from .tensors import GroupTensors, Sample
 
 __all__ = ["Holding", "PointHolding", "SampleHolding", "holding"]
 
 
-class Engine(Protocol):
-    """What a holding uses of its optimizer."""
+class Draws(Protocol):
+    """What a holding uses of the engine (:class:`~liegroup_blr.optim.engine.Engine`)."""
 
     mc_samples: int
-    noise_source: NoiseSource
+    noise: NoiseSource
+    status: EngineState
 
-    def _draw_sample(self, train: bool) -> Sample: ...
-    def _write_points(self, frozen: bool = False) -> None: ...
-    def _restore_unmoved(self, drawn: dict[int, GroupTensors], moved: list[GroupTensors]): ...
-    def _clear_tensors(self) -> None: ...
-    def accumulate(self, sample: Sample, *, defer: bool = False) -> None: ...
+    def draw_sample(self, train: bool) -> Sample: ...
+    def write_points(self, frozen: bool = False) -> None: ...
+    def restore_unmoved(self, drawn: dict[int, GroupTensors], moved: list[GroupTensors]): ...
+    def accumulate_sample(self, sample: Sample, grads: None, defer: bool) -> None: ...
+    def fresh_gradients(self) -> list[Any]: ...
 
 
 class Holding(Protocol):
@@ -42,18 +44,18 @@ class Holding(Protocol):
     resident: Sample | None
     rng: dict[str, Any] | None
 
-    def between_steps(self, opt: Engine) -> None: ...
-    def start_draw(self, opt: Engine, fusable: bool) -> bool: ...
+    def between_steps(self, engine: Draws) -> None: ...
+    def start_draw(self, engine: Draws, fusable: bool) -> bool: ...
     def after_update(
         self,
-        opt: Engine,
+        engine: Draws,
         drawn: dict[int, GroupTensors],
         moved: list[GroupTensors] | None,
-        started: bool,
         drawn_by_update: bool,
     ) -> None: ...
-    def read(self, opt: Engine) -> None: ...
+    def read(self, engine: Draws) -> None: ...
     def owns_outside_gradients(self, mc_samples: int) -> bool: ...
+    def outside_gradients(self, verdict: str) -> str: ...
     def check_training_block(self) -> None: ...
     def keeping(self) -> Any: ...
     def forget(self) -> None: ...
@@ -68,29 +70,28 @@ class PointHolding:
     resident: Sample | None = None
     rng: dict[str, Any] | None = None
 
-    def between_steps(self, opt: Engine) -> None:
+    def between_steps(self, engine: Draws) -> None:
         """Write the point estimates."""
-        opt._write_points()
+        engine.write_points()
 
-    def start_draw(self, opt: Engine, fusable: bool) -> bool:
+    def start_draw(self, engine: Draws, fusable: bool) -> bool:
         """A compiled update never draws a sample: the parameters hold the point estimate."""
         return False
 
     def after_update(
         self,
-        opt: Engine,
+        engine: Draws,
         drawn: dict[int, GroupTensors],
         moved: list[GroupTensors] | None,
-        started: bool,
         drawn_by_update: bool,
     ) -> None:
         """After a step: the point estimate into every drawn parameter the step did not move
         (``moved``: the tensors it moved, ``None`` when it moved every drawn one)."""
-        opt.noise_source.end_step()
+        engine.noise.end_step()
         if moved is not None:
-            opt._restore_unmoved(drawn, moved)
+            engine.restore_unmoved(drawn, moved)
 
-    def read(self, opt: Engine) -> None:
+    def read(self, engine: Draws) -> None:
         """A closure-free ``step()`` without samples: refused."""
         raise RuntimeError(
             "step() without a closure needs gradients from at least one "
@@ -102,6 +103,11 @@ class PointHolding:
     def owns_outside_gradients(self, mc_samples: int) -> bool:
         """Gradients made outside a step are the point estimate's: nobody's sample."""
         return False
+
+    def outside_gradients(self, verdict: str) -> str:
+        """The refusal of gradients made outside ``step(closure)``, at the point estimate."""
+        fix = "construct the optimizer with between_steps='sample' and mc_samples=1"
+        return refusal(verdict, "at the point estimate", fix)
 
     def check_training_block(self) -> None:
         """``sampled_params(train=True)`` draws the step's samples."""
@@ -124,6 +130,8 @@ class SampleHolding:
         resident: the training sample the parameters hold (``None`` after
             :meth:`~liegroup_blr.optim.BLROptimizer.restore`).
         rng: the noise generators' state from before the resident sample's draw.
+        started: whether the running update opened the next sample's draw
+            (``start_draw``).
     """
 
     samples = True
@@ -131,35 +139,37 @@ class SampleHolding:
     def __init__(self) -> None:
         self.resident: Sample | None = None
         self.rng: dict[str, Any] | None = None
+        self.started = False
 
-    def between_steps(self, opt: Engine) -> None:
+    def between_steps(self, engine: Draws) -> None:
         """Draw the sample the parameters hold until the next step, keeping the noise
         generators' state from before it, so a state dict redraws it bit for bit."""
-        self.rng = opt.noise_source.state_dict()
-        self.resident = opt._draw_sample(True)
-        opt._clear_tensors()  # parameters may be frozen before the step
+        self.rng = engine.noise.state_dict()
+        self.resident = engine.draw_sample(True)
+        engine.status.tensors.clear()  # parameters may be frozen before the step
 
-    def start_draw(self, opt: Engine, fusable: bool) -> bool:
+    def start_draw(self, engine: Draws, fusable: bool) -> bool:
         """Whether a compiled one-sample update draws the next sample itself (``fusable``:
         where that saves passes over the state); if so, open it now, keeping the generators'
         state from before it."""
         if fusable:
-            self.rng = opt.noise_source.state_dict()
-            opt.noise_source.end_step()
-            opt.noise_source.start_sample(True)
+            self.rng = engine.noise.state_dict()
+            engine.noise.end_step()
+            engine.noise.start_sample(True)
+        self.started = fusable
         return fusable
 
     def after_update(
         self,
-        opt: Engine,
+        engine: Draws,
         drawn: dict[int, GroupTensors],
         moved: list[GroupTensors] | None,
-        started: bool,
         drawn_by_update: bool,
     ) -> None:
         """After a step the next training sample is held: the one the update drew (its noise in
         the noise buffers), or one drawn now from the generators' state before the update's
         (an eager step, a skipped one, a parameter without a sample)."""
+        started, self.started = self.started, False
         if drawn_by_update:
             keys = [p for t in drawn.values() for p in t.keys]
             params = [p for t in drawn.values() for p in t.params]
@@ -167,16 +177,18 @@ class SampleHolding:
             self.resident = Sample(keys, params, noise)
             return
         if started:
-            opt.noise_source.load_state_dict(self.rng or {})
-        opt.noise_source.end_step()
-        self.between_steps(opt)
+            engine.noise.load_state_dict(self.rng or {})
+        engine.noise.end_step()
+        self.rng = engine.noise.state_dict()  # between_steps(), inline: a step's calls are few
+        self.resident = engine.draw_sample(True)
+        engine.status.tensors.clear()
 
-    def read(self, opt: Engine) -> None:
+    def read(self, engine: Draws) -> None:
         """A closure-free ``step()``: the resident sample with ``p.grad`` as its gradient."""
-        if opt.mc_samples > 1:
+        if engine.mc_samples > 1:
             raise RuntimeError(
                 f"step() without a closure takes one sample, the parameters' own, in "
-                f"between_steps='sample'; mc_samples={opt.mc_samples} needs step(closure)"
+                f"between_steps='sample'; mc_samples={engine.mc_samples} needs step(closure)"
             )
         if self.resident is None:
             raise RuntimeError(
@@ -185,12 +197,21 @@ class SampleHolding:
                 "instead, or draw a sample again with optimizer.load_state_dict("
                 "optimizer.state_dict())"
             )
-        opt.accumulate(self.resident, defer=True)
+        engine.accumulate_sample(self.resident, None, defer=True)
+        engine.fresh_gradients()  # the engine has seen them: not made outside a step
 
     def owns_outside_gradients(self, mc_samples: int) -> bool:
         """Gradients made outside a step are the resident sample's, which the closure adds to
         or starts afresh: with one sample per step, and a sample held."""
         return self.resident is not None and mc_samples == 1
+
+    def outside_gradients(self, verdict: str) -> str:
+        """The refusal of gradients made outside ``step(closure)``: at the resident sample
+        (with several samples per step), or at the point estimate after ``restore()``."""
+        if self.resident is not None:
+            return refusal(verdict, "at one sample", "set mc_samples=1")
+        fix = "hold the point estimate with `with optimizer.point_estimate():` instead of restore()"
+        return refusal(verdict, "at the point estimate", fix)
 
     def check_training_block(self) -> None:
         """``sampled_params(train=True)`` is refused: the parameters hold a training sample."""
@@ -219,6 +240,25 @@ class SampleHolding:
         """The parameters hold no training sample (:meth:`~liegroup_blr.optim.BLROptimizer.
         restore` wrote the point estimate)."""
         self.resident = None
+
+
+def refusal(verdict: str, where: str, fix: str) -> str:
+    """Gradients made outside ``step(closure)`` since the last update (``where``) were added
+    to by the closure (``verdict`` ``"added to"``) or left in place by a closure that computed
+    none (``"left"``)."""
+    if verdict == "left":
+        return (
+            f"step(closure) found gradients computed outside step() since the last update "
+            f"({where}), and the closure computed none (no backward pass reached them): "
+            f"they are not a sample's; pass a closure that zeroes the gradients and "
+            f"computes the loss and its backward, or {fix}"
+        )
+    return (
+        f"step(closure) found gradients computed outside step() since the last update "
+        f"({where}) and the closure added to them (gradient accumulation over "
+        f"micro-batches, Lightning's accumulate_grad_batches): they would be mixed into "
+        f"the samples; zero them in the closure, or {fix}"
+    )
 
 
 HOLDINGS: dict[str, type[PointHolding] | type[SampleHolding]] = {

@@ -10,8 +10,9 @@ what a sample keeps of its draw, the products :math:`w = g \odot \xi`.
     M^\pm \leftarrow \beta M^\pm + (1-\beta)\hat X^\pm, \qquad
     g^\pm \leftarrow g^\pm \odot e^{-\alpha M^\pm}.
 
-The class holds the hyperparameters and the initial state; below it the formulas, their
-in-place twins for eager steps, and the dispatcher :func:`multiplicative` at the end.
+The optimizer class holds the hyperparameters, the rule class the initial state and the calls
+the engine makes; below them the formulas, their in-place twins for eager steps, and the
+dispatcher :func:`multiplicative` at the end.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from .base import BLROptimizer
 from .checks import check_number
 from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
 from .options import EngineOptions
+from .rule import Rule
 from .scratch import state_dtype
 from .tensors import GroupTensors, Proposal, SampleGrads
 
 __all__ = [
     "MultiplicativeBLR",
+    "MultiplicativeRule",
     "multiplicative",
     "multiplicative_accumulate",
     "multiplicative_draw",
@@ -103,9 +106,7 @@ class MultiplicativeBLR(BLROptimizer):
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
-    lie_group: MultiplicativeGroup
-
-    fuses_view_draws = True  # w = g ⊙ ξ is written either way
+    _rule: MultiplicativeRule
 
     def __init__(
         self,
@@ -127,10 +128,6 @@ class MultiplicativeBLR(BLROptimizer):
     ) -> None:
         if init is not None and init not in INITS:
             raise ValueError(f"init: must be one of {INITS}, got {init!r}")
-        self.init = init or "auto"
-        self._warn_rewrite = init is None  # the default rewrites weights: say so, once
-        self.signed = signed
-        self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -141,20 +138,45 @@ class MultiplicativeBLR(BLROptimizer):
             weight_decay=weight_decay,
             init_offset=init_offset,
         )
+        rule = MultiplicativeRule(signed, init)
         super().__init__(
-            params,
-            defaults,
-            MultiplicativeGroup(signed=signed),
-            mc_samples=mc_samples,
-            point_estimate=point_estimate,
-            **engine,
+            params, defaults, rule, mc_samples=mc_samples, point_estimate=point_estimate, **engine
         )
 
-    def _validate(self, options: dict[str, Any]) -> None:
-        super()._validate(options)
+    @property
+    def signed(self) -> bool:
+        """Whether elements have excitatory and inhibitory parts (g⁺, g⁻)."""
+        return self._rule.signed
+
+    @property
+    def init(self) -> str:
+        """How elements start from the weights: ``"keep"``, ``"auto"`` or ``"reference"``."""
+        return self._rule.init
+
+
+class MultiplicativeRule(Rule):
+    """The multiplicative rule as the engine calls it (:class:`~.rule.Rule`).
+
+    Args:
+        signed: elements (g⁺, g⁻) with θ = g⁺ξ⁺ − g⁻ξ⁻, else g with θ = g ξ.
+        init: ``"keep"``, ``"auto"`` or ``"reference"``; ``None``: ``"auto"``, warning once
+            if it rewrites a weight.
+    """
+
+    lie_group: MultiplicativeGroup
+    fuses_view_draws = True  # w = g ⊙ ξ is written either way
+
+    def __init__(self, signed: bool, init: str | None) -> None:
+        super().__init__(MultiplicativeGroup(signed=signed))
+        self.signed = signed
+        self.init = init or "auto"
+        self._warn_rewrite = init is None  # the default rewrites weights: say so, once
+        self._permutations: torch.Generator | None = None  # for w⁻, apart from the noise
+
+    def validate(self, options: dict[str, Any]) -> None:
         check_number(options, "init_offset", 0.0, closed=False)
 
-    def _init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
+    def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         w = p.detach().to(state_dtype(p), copy=True)
         offset = group["init_offset"]
         flat = w.flatten()
@@ -182,20 +204,20 @@ class MultiplicativeBLR(BLROptimizer):
                 "(pretrained weights), or init='auto' to rewrite them without this warning"
             )
 
-    def _draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
+    def draw(self, group: dict[str, Any], t: GroupTensors, xi: list[Tensor]) -> list[Tensor]:
         multiplicative_draw(t.elements, xi, t.params, t.noise, signed=self.signed)
         return t.noise
 
-    def _sample_value(self, group, element, noise) -> Tensor:
+    def sample_value(self, group, element, noise) -> Tensor:
         return self.lie_group.readout(noise)  # a sample's noise is w = g ⊙ ξ
 
-    def _with_point(self, group, g, theta, xi0) -> Tensor:
+    def with_point(self, group, g, theta, xi0) -> Tensor:
         return self.lie_group.with_point(g, theta, xi0, offset=group["init_offset"])
 
-    def _accumulate(self, group, t, noise, grads, first) -> None:
+    def accumulate(self, group, t, noise, grads, first) -> None:
         multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 
-    def _propose(self, group, t, n, sample, offset, draw) -> Proposal:
+    def propose(self, group, t, n, sample, offset, draw) -> Proposal:
         return multiplicative(
             t,
             sample,
@@ -208,7 +230,7 @@ class MultiplicativeBLR(BLROptimizer):
             compile=self.compile,
         )
 
-    def _write_point(self, group, params, elements, mean) -> None:
+    def write_point(self, group, params, elements, mean) -> None:
         multiplicative_readout_(params, elements, mean=mean, signed=self.signed)
 
 

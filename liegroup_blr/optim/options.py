@@ -71,8 +71,8 @@ class EngineOptions(TypedDict, total=False):
 
 @dataclass
 class EngineState:
-    """Everything the engine changes while it runs, in one object the optimizer holds by
-    reference: a wrapper that copies the optimizer's ``__dict__`` (Lightning's
+    """Everything the engine changes while it runs, in one object the engine (and so the
+    optimizer) holds by reference: a wrapper that copies the optimizer's ``__dict__`` (Lightning's
     ``LightningOptimizer`` does) shares it, so a sample counted through the wrapper is
     counted for the optimizer.
 
@@ -89,9 +89,6 @@ class EngineState:
         prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
         unaveraged: with ``process_group``, whether the processes' gradients were seen to
             differ (not averaged by DistributedDataParallel).
-        written: each trained parameter's version counter and storage pointer as the
-            optimizer last left them, to tell writes made outside it
-            (:mod:`~liegroup_blr.optim.outside`).
         warned: whether a step that found no gradient has been warned of.
         kept: inside a ``point_estimate`` block, what each parameter (its local tensor) holds
             after it.
@@ -107,14 +104,12 @@ class EngineState:
     marks: dict[Tensor, tuple[Callable[[], Tensor | None], int]] = field(default_factory=dict)
     prior: Prior | None = None
     unaveraged: bool = False
-    written: dict[Tensor, tuple[int, int]] = field(default_factory=dict)
     warned: bool = False
     kept: dict[Tensor, Tensor] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy forgets the gradients and writes it saw (weak references neither copy nor
-        pickle; a copy's parameters are other tensors)."""
-        return {**self.__dict__, "marks": {}, "written": {}}
+        """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""
+        return {**self.__dict__, "marks": {}}
 
     def skip(self, name: str, expected: bool, limit: int | None) -> None:
         """Count a step of optimizer ``name`` skipped for non-finite values; unless the skip

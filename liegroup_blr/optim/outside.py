@@ -13,7 +13,7 @@ optimizer wrote there (the point estimate, or the training sample of
 accelerate's ``prepare``) changes nothing, and a changed value becomes the posterior's new
 location: the element :math:`g' =` :meth:`~liegroup_blr.groups.LieGroup.with_point` of it, whose
 point estimate is the value, keeping what the group can of the spread (the optimizer's
-``_take_writes``; :func:`unchanged` here).
+:class:`~.writes.Writes`; :func:`unchanged` here).
 
 **Gradients before a closure.** ``loss = closure(); optimizer.step(closure)`` (PyTorch's own
 tests, L-BFGS-style code) leaves gradients at the point estimate before the step; a closure

@@ -12,7 +12,7 @@ from torch import Tensor
 from .kernel_utils import Rows
 from .scratch import Scratch
 
-__all__ = ["Deferred", "GroupTensors", "Proposal", "Sample", "SampleGrads", "all_finite"]
+__all__ = ["Deferred", "GroupTensors", "Proposal", "Sample", "SampleGrads"]
 
 SampleGrads = tuple[list[Tensor], list[Tensor]]
 """A deferred sample as an update reads it: its noise (as :attr:`Sample.noise`) and its
@@ -155,16 +155,3 @@ class Proposal:
     checked: list[Tensor]
     sums: list[Tensor] | None = None
     commit: Callable[[], None] | None = None
-
-
-def all_finite(tensors: list[Tensor], sums: list[Tensor] | None = None) -> bool:
-    """Whether every entry of every tensor is finite (one host sync, two when a sum is not).
-
-    A finite sum has finite terms; a sum that is not finite (an infinite or NaN entry, or an
-    overflow of finite ones) is settled by the extremes, exactly. ``sums``: the tensors'
-    sums, if a kernel made them in its pass."""
-    sums = [t.sum() for t in tensors] if sums is None else sums
-    if not sums or bool(torch.stack(sums).isfinite().all()):
-        return True
-    extremes = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
-    return bool(torch.stack(extremes).isfinite().all())

@@ -10,8 +10,8 @@ from torch.distributions import Normal
 from torch.nn.parallel import DistributedDataParallel
 
 import liegroup_blr as lgb
-from tests.library.test_optim import make_problem
 from tests.processes import spawn
+from tests.shared import make_problem
 
 pytestmark = pytest.mark.distributed  # every test here starts processes
 

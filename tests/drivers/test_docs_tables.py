@@ -15,6 +15,7 @@ import pytest
 
 from experiments import compare, docs_tables
 from experiments.docs_tables import Metric, Table
+from tests.shared import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -153,19 +154,15 @@ def test_check_names_stale_pages_and_write_updates_them(
     assert "| a at g | 95.0 ± 1.0 |" in docs_tables.stale(tmp_path)[tmp_path / "docs" / "page.md"]
 
 
-TINY = {
-    "seeds": [0, 1],
-    "device": "cpu",
-    "threads": 1,
-    "data": {"name": "synthetic", "train_size": 32, "test_size": 16, "batch_size": 16},
-    "model": {"name": "mlp", "widths": [8]},
-    "schedule": {"epochs": 1},
-    "eval": {"samples": 2, "sparsity_samples": 1, "bins": 5},
-    "runs": {
+TINY = tiny_config(
+    seeds=[0, 1],
+    threads=1,
+    eval={"sparsity_samples": 1, "bins": 5},
+    runs={
         "sgd": {"optimizer": {"name": "sgd", "lr": 0.05}},
         "add": {"optimizer": {"name": "additive", "lr": 0.05}},
     },
-}
+)
 
 
 def test_a_comparison_folder_becomes_a_summary_the_pages_can_quote(

@@ -14,6 +14,7 @@ from matplotlib import image as mpimg
 
 from experiments import compare, figures, memory_map, peers, train, tune
 from experiments.config import ConfigError, load, merge, resolve, run_configs, split_runs
+from tests import shared
 
 MODELS: dict[str, dict[str, Any]] = {
     "mlp": {"name": "mlp", "widths": [16]},
@@ -59,22 +60,13 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 
 def tiny_config(model: str = "mlp", optimizer: str = "additive", **sections: Any) -> dict:
     """A run on 3-class 3×16×16 synthetic images: 2 epochs of 2 batches."""
-    cfg: dict[str, Any] = {
-        "seed": 0,
-        "device": "cpu",
-        "data": {
-            "name": "synthetic",
-            "shape": [3, 16, 16],
-            "train_size": 32,
-            "test_size": 16,
-            "batch_size": 16,
-            "test_batch_size": 8,
-        },
-        "model": copy.deepcopy(MODELS[model]),
-        "optimizer": copy.deepcopy(OPTIMIZERS[optimizer]),
-        "schedule": {"epochs": 2, "warmup": 1},
-        "eval": {"samples": 3, "sparsity_samples": 2},
-    }
+    cfg = shared.tiny_config(
+        data={"shape": [3, 16, 16], "test_batch_size": 8},
+        model=MODELS[model],
+        optimizer=OPTIMIZERS[optimizer],
+        schedule={"epochs": 2, "warmup": 1},
+        eval={"samples": 3},
+    )
     for name, table in sections.items():
         cfg[name] = {**cfg.get(name, {}), **table}
     return cfg

@@ -13,23 +13,13 @@ import pytest
 
 from experiments import train, tune
 from experiments.config import ConfigError
+from tests.shared import tiny_config
 
-TINY: dict[str, Any] = {
-    "seeds": [0, 1],
-    "device": "cpu",
-    "data": {
-        "name": "synthetic",
-        "shape": [1, 8, 8],
-        "train_size": 48,
-        "test_size": 16,
-        "batch_size": 16,
-        "test_batch_size": 8,
-        "validation": 16,
-    },
-    "model": {"name": "mlp", "widths": [8]},
-    "schedule": {"epochs": 2},
-    "eval": {"samples": 2, "sparsity_samples": 2},
-    "runs": {
+TINY = tiny_config(
+    seeds=[0, 1],
+    data={"shape": [1, 8, 8], "train_size": 48, "test_batch_size": 8, "validation": 16},
+    schedule={"epochs": 2},
+    runs={
         "sgd": {
             "optimizer": {"name": "sgd", "lr": 0.05},
             "grid": {"lr": [0.01, 0.3], "prior_precision": [0.0, 1.0]},
@@ -39,7 +29,7 @@ TINY: dict[str, Any] = {
             "grid": {"lr": [0.01, 0.03]},
         },
     },
-}
+)
 
 
 def test_tuning_trains_every_point_on_held_out_examples_and_chooses_the_best(

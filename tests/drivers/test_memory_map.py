@@ -20,19 +20,21 @@ import liegroup_blr as lgb
 from experiments import memory_map as mm
 from experiments import runfiles, train
 from experiments.figures import ERROR_VARIANCE_SIZE, MEMORY_MAP_SIZE, SCATTER_SIZE
+from experiments.memory_retrain import Retrainer
+from experiments.memory_scores import BASELINES, RANKINGS
+from experiments.memory_stats import SPACES, agreement, changes, pearson, spearman, summarise_flips
 from liegroup_blr.distributions import Dirac
 from tests.drivers.test_experiments import assert_png
+from tests.shared import tiny_config
 
 
 def tiny(**memory: Any) -> dict[str, Any]:
     """Two runs (affine, multiplicative) on 3-class 1×8×8 synthetic images, 64 train."""
-    return {
-        "seed": 0,
-        "device": "cpu",
-        "data": {"name": "synthetic", "train_size": 64, "test_size": 16, "batch_size": 16},
-        "model": {"name": "mlp", "widths": [8]},
-        "schedule": {"epochs": 3},
-        "memory": {
+    return tiny_config(
+        data={"train_size": 64},
+        schedule={"epochs": 3},
+        eval=None,
+        memory={
             "samples": 8,
             "top": 2,
             "random": 2,
@@ -40,7 +42,7 @@ def tiny(**memory: Any) -> dict[str, Any]:
             "flip": 4,
             **memory,
         },
-        "runs": {
+        runs={
             "affine": {
                 "optimizer": {
                     "name": "affine",
@@ -55,7 +57,7 @@ def tiny(**memory: Any) -> dict[str, Any]:
                 "optimizer": {"name": "multiplicative", "lr": 5.0, "temperature": 0.01}
             },
         },
-    }
+    )
 
 
 def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
@@ -64,7 +66,7 @@ def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
     out = tmp_path / "maps"
     # a kill after two retrainings of the first run: they are on disk, nothing else is
     calls = 0
-    retrain = mm.Retrainer.retrain
+    retrain = Retrainer.retrain
 
     def dying(self, *args, **kwargs):
         nonlocal calls
@@ -73,12 +75,12 @@ def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
             raise KeyboardInterrupt
         return retrain(self, *args, **kwargs)
 
-    monkeypatch.setattr(mm.Retrainer, "retrain", dying)
+    monkeypatch.setattr(Retrainer, "retrain", dying)
     with pytest.raises(KeyboardInterrupt):
         mm.memory_maps(tiny(), out)
     rows = runfiles.read_jsonl(out / "affine" / "seed0" / mm.RETRAIN)
     assert [r["kind"] for r in rows] == ["start", "control", "permuted"]
-    monkeypatch.setattr(mm.Retrainer, "retrain", retrain)
+    monkeypatch.setattr(Retrainer, "retrain", retrain)
     with pytest.raises(FileExistsError, match="--resume"):
         mm.memory_maps(tiny(), out)
     results = mm.memory_maps(tiny(), out, resume=True)
@@ -98,14 +100,14 @@ def test_the_command_writes_every_part_and_resumes_without_losing_a_retraining(
         assert set(summary["retraining"]) == {"1", "2"}
         entry = summary["retraining"]["2"]
         assert entry["random"] == 2  # the correlations are over the random examples only
-        assert set(entry["default"]) == set(mm.SPACES)
+        assert set(entry["default"]) == set(SPACES)
         assert {"spearman", "drift", "median_ratio"} <= set(entry["default"]["logits"])
         assert {"truth_over_drift", "above_others"} <= set(entry["probabilities"])
         assert summary["flips"]["flipped"] == 4
         assert math.isclose(summary["flips"]["random"], 4 * 4 / 64)
-        assert set(summary["flips"]["found"]) == {*mm.RANKINGS, *mm.BASELINES, "default"}
+        assert set(summary["flips"]["found"]) == {*RANKINGS, *BASELINES, "default"}
         assert sum(summary["regions"].values()) == 64
-        assert set(summary["baselines"]) == set(mm.BASELINES)
+        assert set(summary["baselines"]) == set(BASELINES)
         assert sum(summary["flip_regions"]["flipped"].values()) == 4
         for name in ("memory_map.png", "flip_memory_map.png"):
             assert_png(folder / name, MEMORY_MAP_SIZE)
@@ -126,7 +128,7 @@ def test_retraining_is_deterministic_and_starts_from_the_trained_state(tmp_path)
     cfg = configs["affine"][0]
     run = mm.trained(cfg, tmp_path / "train")
     before = copy.deepcopy(run.optimizer.state_dict())
-    retrainer = mm.Retrainer(run, memory, seed=0)
+    retrainer = Retrainer(run, memory, seed=0)
     index = torch.tensor([3, 5])
     control = retrainer.retrain(None, index)
     again = retrainer.retrain(None, index)
@@ -143,7 +145,7 @@ def test_retraining_is_deterministic_and_starts_from_the_trained_state(tmp_path)
 def test_a_removed_example_takes_only_its_own_term_out_of_its_batch(tmp_path):
     configs, memory = mm.resolve(tiny())
     run = mm.trained(configs["affine"][0], tmp_path / "train")
-    retrainer = mm.Retrainer(run, memory, seed=0)
+    retrainer = Retrainer(run, memory, seed=0)
     rows = torch.arange(10, 26)  # one batch of 16
     kept = rows[rows != 13]
     with torch.no_grad():
@@ -167,9 +169,9 @@ def test_the_drift_floor_is_zero_where_retraining_is_deterministic_and_at_rest(t
     for group in run.optimizer.param_groups:
         group["initial_lr"] = group["lr"]
     index = torch.arange(4)
-    mm.Retrainer(run, memory, seed=0).retrain(None, index)  # to the minimum: 400 GD steps
+    Retrainer(run, memory, seed=0).retrain(None, index)  # to the minimum: 400 GD steps
     memory = {**memory, "retrain_epochs": [5]}
-    retrainer = mm.Retrainer(run, memory, seed=0)
+    retrainer = Retrainer(run, memory, seed=0)
     rows = [
         {
             "kind": "start",
@@ -196,7 +198,7 @@ def test_the_drift_floor_is_zero_where_retraining_is_deterministic_and_at_rest(t
             for i in range(4)
         ),
     ]
-    c = mm.changes(rows, run.data.train_y, "5")
+    c = changes(rows, run.data.train_y, "5")
     assert float(c["drift"].max()) < 1e-6  # at rest: retraining alone makes no change
     assert float(c["permuted"].max()) < 1e-6  # one batch: the order does not matter
     assert float(c["truth"].min()) > 1e3 * float(c["drift"].max())
@@ -238,7 +240,7 @@ def test_changes_read_the_rows_as_l1_distances():
         row("removed", 4, 0.4, 0.8, 0.1),  # removing 4 moves all three
         row("removed", 6, 0.5, 0.9, 0.5),
     ]
-    c = mm.changes(rows, torch.tensor([0, 0, 0, 0, 0, 0, 1, 0, 0, 1]), "1")
+    c = changes(rows, torch.tensor([0, 0, 0, 0, 0, 0, 1, 0, 0, 1]), "1")
     assert c["examples"] == [4, 9, 6]
     np.testing.assert_allclose(c["truth"], [0.2, 0.4, 0.6])
     np.testing.assert_allclose(c["truth_logits"], [abs(z(0.4)), z(0.9) - z(0.7), z(0.5) - z(0.2)])
@@ -253,11 +255,11 @@ def test_changes_read_the_rows_as_l1_distances():
 
 def test_flips_are_counted_among_the_k_highest():
     flips = {3: 1, 7: 0}
-    score = {name: torch.arange(10.0) for name in [*mm.RANKINGS, *mm.BASELINES, "default"]}
+    score = {name: torch.arange(10.0) for name in [*RANKINGS, *BASELINES, "default"]}
     score["labels"] = torch.zeros(10)
     score["loss"] = torch.tensor([0, 0, 0, 9, 0, 0, 0, 8, 0, 0.0])  # both at the top
     score["residual"] = torch.tensor([0, 0, 0, 9, 0, 0, 0, 0, 0, 8.0])  # one
-    summary = mm.summarise_flips(score, flips)
+    summary = summarise_flips(score, flips)
     assert summary["found"]["loss"] == 2 and summary["found"]["residual"] == 1
     assert summary["found"]["default"] == 0  # 9 and 8 are its two highest
     assert summary["flipped"] == 2 and math.isclose(summary["random"], 2 * 2 / 10)
@@ -267,10 +269,10 @@ def test_rank_correlations_match_scipy_with_ties():
     gen = np.random.default_rng(0)
     a = gen.integers(0, 5, 40).astype(float)
     b = a + gen.normal(size=40)
-    assert math.isclose(mm.spearman(a, b), stats.spearmanr(a, b)[0], rel_tol=1e-12)
-    assert math.isclose(mm.pearson(a, b), stats.pearsonr(a, b)[0], rel_tol=1e-12)
-    assert math.isnan(mm.pearson(np.ones(4), b[:4]))
-    assert mm.agreement(np.ones(4), b[:4])["spearman"] is None
+    assert math.isclose(spearman(a, b), stats.spearmanr(a, b)[0], rel_tol=1e-12)
+    assert math.isclose(pearson(a, b), stats.pearsonr(a, b)[0], rel_tol=1e-12)
+    assert math.isnan(pearson(np.ones(4), b[:4]))
+    assert agreement(np.ones(4), b[:4])["spearman"] is None
 
 
 def test_flipped_labels_change_every_picked_label():

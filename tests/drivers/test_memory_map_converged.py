@@ -17,17 +17,17 @@ from experiments import config as config_module
 from experiments import memory_converged as mc
 from experiments import runfiles
 from experiments.memory_map import trained
+from tests.shared import tiny_config
 
 
 def tiny(**converged: Any) -> dict[str, Any]:
     """An affine run on 3-class 1×8×8 synthetic images, 48 train."""
-    return {
-        "seed": 0,
-        "device": "cpu",
-        "data": {"name": "synthetic", "train_size": 32, "test_size": 8, "batch_size": 16},
-        "model": {"name": "mlp", "widths": [6]},
-        "schedule": {"epochs": 2},
-        "memory": {
+    return tiny_config(
+        data={"test_size": 8},
+        model={"widths": [6]},
+        schedule={"epochs": 2},
+        eval=None,
+        memory={
             "converged": {
                 "samples": 2,
                 "examples": 2,
@@ -37,7 +37,7 @@ def tiny(**converged: Any) -> dict[str, Any]:
                 **converged,
             }
         },
-        "runs": {
+        runs={
             "affine": {
                 "optimizer": {
                     "name": "affine",
@@ -49,7 +49,7 @@ def tiny(**converged: Any) -> dict[str, Any]:
                 }
             }
         },
-    }
+    )
 
 
 @pytest.fixture(scope="module")

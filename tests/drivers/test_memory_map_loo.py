@@ -14,24 +14,18 @@ from experiments import config as config_module
 from experiments import memory_loo as ml
 from experiments import runfiles
 from experiments.docs_tables import flatten
+from tests.shared import tiny_config
 
 
 def tiny(**loo: Any) -> dict[str, Any]:
     """An affine run on 3-class 1×8×8 synthetic images, 48 train of which 12 held out."""
-    return {
-        "seed": 0,
-        "device": "cpu",
-        "data": {
-            "name": "synthetic",
-            "train_size": 48,
-            "test_size": 16,
-            "batch_size": 16,
-            "validation": 12,
-        },
-        "model": {"name": "mlp", "widths": [6]},
-        "schedule": {"epochs": 2},
-        "memory": {"loo": {"prior_precisions": [1.0, 100.0], "samples": 4, **loo}},
-        "runs": {
+    return tiny_config(
+        data={"train_size": 48, "validation": 12},
+        model={"widths": [6]},
+        schedule={"epochs": 2},
+        eval=None,
+        memory={"loo": {"prior_precisions": [1.0, 100.0], "samples": 4, **loo}},
+        runs={
             "affine": {
                 "optimizer": {
                     "name": "affine",
@@ -42,7 +36,7 @@ def tiny(**loo: Any) -> dict[str, Any]:
                 }
             }
         },
-    }
+    )
 
 
 def test_the_command_writes_every_criterion_per_delta_and_resumes(tmp_path):

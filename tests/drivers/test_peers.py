@@ -23,29 +23,20 @@ from experiments import config as config_module
 from experiments import optimizers, peers, runfiles, train
 from experiments.config import ConfigError
 from tests.drivers.test_experiments import assert_same, train_interrupted, without_times
+from tests.shared import tiny_config
 
 CONFIGS = Path(__file__).parents[2] / "experiments" / "configs"
-DATA = {
-    "name": "synthetic",
-    "shape": [1, 8, 8],
-    "train_size": 48,
-    "test_size": 16,
-    "batch_size": 16,
-    "test_batch_size": 8,
-}
-TINY: dict[str, Any] = {
-    "seeds": [0],
-    "device": "cpu",
-    "threads": 1,
-    "data": DATA,
-    "model": {"name": "mlp", "widths": [8]},
-    "schedule": {"epochs": 2},
-    "eval": {"samples": 4, "sparsity_samples": 2},
-    "runs": {
+TINY = tiny_config(
+    seeds=[0],
+    threads=1,
+    data={"shape": [1, 8, 8], "train_size": 48, "test_batch_size": 8},
+    schedule={"epochs": 2},
+    eval={"samples": 4},
+    runs={
         "adam": {"optimizer": {"name": "adam", "lr": 0.01, "prior_precision": 1.0}},
         "vi": {"optimizer": {"name": "vi", "lr": 0.01, "prior_precision": 1.0}},
     },
-    "laplace": {
+    laplace={
         "networks": ["adam"],
         "fits": {
             "last_layer_kron": {"subset_of_weights": "last_layer", "hessian_structure": "kron"},
@@ -56,7 +47,7 @@ TINY: dict[str, Any] = {
             },
         },
     },
-}
+)
 
 
 def tiny(**laplace: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import torch
 
 from experiments import cli, compare, config, figures, ood, sparsity, tables
 from experiments.config import ConfigError
+from tests.shared import tiny_config
 
 
 # ------------------------------------------------------------------- Markdown tables
@@ -222,25 +223,14 @@ def test_seed_list_from_config_or_flag() -> None:
             config.seed_list(bad)
 
 
-TINY: dict[str, Any] = {
-    "seeds": [0, 1],
-    "device": "cpu",
-    "data": {
-        "name": "synthetic",
-        "shape": [1, 8, 8],
-        "train_size": 32,
-        "test_size": 16,
-        "batch_size": 16,
-        "test_batch_size": 8,
-    },
-    "model": {"name": "mlp", "widths": [8]},
-    "schedule": {"epochs": 1},
-    "eval": {"samples": 2, "sparsity_samples": 2},
-    "runs": {
+TINY = tiny_config(
+    seeds=[0, 1],
+    data={"shape": [1, 8, 8], "test_batch_size": 8},
+    runs={
         "sgd": {"optimizer": {"name": "sgd", "lr": 0.05}},
         "mult": {"optimizer": {"name": "multiplicative", "lr": 1.0, "mc_samples": 2}},
     },
-}
+)
 
 
 def test_compare_over_seeds_reports_mean_sd_and_per_seed(tmp_path: Path) -> None:

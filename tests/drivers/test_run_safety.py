@@ -23,6 +23,7 @@ import torch
 from experiments import compare, data, train, tune
 from experiments import config as config_module
 from liegroup_blr import predictive
+from tests.shared import tiny_config, with_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,25 +138,13 @@ def sweep_main(argv: list[str]) -> None:
 
 def tiny(**sections: Any) -> dict[str, Any]:
     """Three epochs of two steps of the additive rule on 3-class 1×8×8 synthetic data."""
-    cfg: dict[str, Any] = {
-        "seed": 0,
-        "device": "cpu",
-        "data": {
-            "name": "synthetic",
-            "train_size": 32,
-            "test_size": 16,
-            "batch_size": 16,
-            "test_batch_size": 16,
-        },
-        "model": {"name": "mlp", "widths": [8]},
-        "optimizer": {"name": "additive", "lr": 0.05, "mc_samples": 2},
-        "schedule": {"epochs": 3},
-        "eval": {"samples": 2, "sparsity_samples": 1, "bins": 5},
-    }
-    for name, table in sections.items():
-        merge = isinstance(table, dict) and table.get("name") in (None, cfg[name].get("name"))
-        cfg[name] = {**cfg[name], **table} if merge else table
-    return cfg
+    cfg = tiny_config(
+        data={"test_batch_size": 16},
+        optimizer={"name": "additive", "lr": 0.05, "mc_samples": 2},
+        schedule={"epochs": 3},
+        eval={"sparsity_samples": 1, "bins": 5},
+    )
+    return with_tables(cfg, **sections)
 
 
 def write_config(path: Path, cfg: dict[str, Any]) -> Path:

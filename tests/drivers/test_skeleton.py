@@ -17,6 +17,7 @@ from experiments import config as config_module
 from experiments import continual, runfiles, skeleton
 from experiments.config import ConfigError, load
 from experiments.progress import Planned
+from tests.shared import tiny_config
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 SMOKE = EXPERIMENTS / "configs" / "continual_smoke.toml"
@@ -159,12 +160,14 @@ def test_a_driver_with_its_own_tables_resumes_only_with_the_same_config(tmp_path
             skeleton.prepare_folder(tmp_path, other_runs, True, {"memory": memory})
 
 
-RUN = {
-    "data": {"name": "synthetic", "train_size": 32, "test_size": 8, "batch_size": 8},
-    "model": {"name": "mlp", "widths": [4]},
-    "optimizer": {"name": "sgd", "lr": 0.1},
-    "schedule": {"epochs": 1},
-}
+RUN = tiny_config(
+    seed=None,
+    device=None,
+    data={"test_size": 8, "batch_size": 8},
+    model={"widths": [4]},
+    optimizer={"name": "sgd", "lr": 0.1},
+    eval=None,
+)
 
 
 def _check_extra(table: dict[str, Any], configs: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import liegroup_blr as lgb
-from tests.library.test_optim import FACTORIES, closure_for, make_problem, snapshot
+from tests.shared import FACTORIES, closure_for, make_problem, snapshot
 
 KINDS = list(FACTORIES)
 

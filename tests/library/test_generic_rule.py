@@ -18,7 +18,7 @@ from liegroup_blr.groups import (
     FullAffineGroup,
     MultiplicativeGroup,
 )
-from tests.library.test_optim import DTYPE, closure_for, make_problem, snapshot
+from tests.shared import DTYPE, closure_for, make_problem, snapshot
 
 
 def _split(model):

@@ -32,6 +32,7 @@ from liegroup_blr.optim.affine import (
     affine_readout_,
     affine_update,
 )
+from liegroup_blr.optim.engine import all_finite
 from liegroup_blr.optim.kernel_utils import rows as parts
 from liegroup_blr.optim.multiplicative import (
     multiplicative_accumulate,
@@ -41,8 +42,7 @@ from liegroup_blr.optim.multiplicative import (
     multiplicative_readout_,
     multiplicative_update,
 )
-from liegroup_blr.optim.tensors import all_finite
-from tests.library.test_optim import DTYPE, FACTORIES, closure_for, make_problem, snapshot
+from tests.shared import DTYPE, FACTORIES, closure_for, make_problem, snapshot
 
 SHAPE = (4, 3)
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from torch import nn
 
 import liegroup_blr as lgb
 from liegroup_blr import mc
-from tests.library.test_optim import FACTORIES, closure_for, make_problem
+from tests.shared import FACTORIES, closure_for, make_problem
 
 LOSS = nn.functional.cross_entropy
 

@@ -14,7 +14,8 @@ from torch.distributions import Laplace, Normal
 import liegroup_blr as lgb
 from liegroup_blr.distributions import Dirac, Rayleigh
 from liegroup_blr.noise import NoiseSource, NoiseTable, symmetric_centre
-from tests.library.test_optim import closure_for, make_problem, recording_closure, snapshot
+from tests.library.test_optim import recording_closure
+from tests.shared import closure_for, make_problem, snapshot
 
 
 def test_table_holds_base_draws_with_the_base_moments():

@@ -23,30 +23,7 @@ from liegroup_blr.groups import (
     LieGroup,
     MultiplicativeGroup,
 )
-
-DTYPE = torch.float64
-
-
-def make_problem(seed: int = 0, dtype: torch.dtype = DTYPE):
-    """A small tanh network and a fixed classification batch."""
-    gen = torch.Generator().manual_seed(seed)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.5)
-    x = torch.randn(32, 5, generator=gen, dtype=dtype)
-    y = torch.randint(0, 3, (32,), generator=gen)
-    return model, x, y
-
-
-def closure_for(opt, model, x, y):
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
-    return closure
+from tests.shared import DTYPE, FACTORIES, closure_for, make_problem, snapshot
 
 
 def train(opt, model, x, y, steps):
@@ -57,12 +34,6 @@ def train(opt, model, x, y, steps):
 def point_loss(model, x, y) -> float:
     with torch.no_grad():
         return float(nn.functional.cross_entropy(model(x).float(), y))
-
-
-def snapshot(opt, model):
-    params = [p.detach().clone() for p in model.parameters()]
-    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
-    return params, states
 
 
 # ----------------------------------------------------------------- equivalences
@@ -366,18 +337,6 @@ INVALID = [
     ("weight_decay", dict(weight_decay=-0.1)),
     ("point_estimate", dict(point_estimate="median")),
 ]
-FACTORIES = {
-    "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, **{"lr": 0.1, "data_size": 10, **kw}),
-    "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, **{"lr": 0.1, "data_size": 10, **kw}
-    ),
-    "affine": lambda ps, **kw: lgb.AffineBLR(
-        ps, **{"lr": 0.1, "scale_lr": 0.01, "data_size": 10, **kw}
-    ),
-    "generic": lambda ps, **kw: lgb.LieGroupBLR(
-        ps, DiagonalAffineGroup(), Normal(0.0, 0.1), **{"lr": 0.1, "data_size": 10, **kw}
-    ),
-}
 
 
 @pytest.mark.parametrize("kind", FACTORIES)

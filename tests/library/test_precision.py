@@ -10,7 +10,7 @@ import torch._dynamo
 from torch import nn
 
 import liegroup_blr as lgb
-from tests.library.test_optim import make_problem
+from tests.shared import make_problem
 
 RULES = {
     "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=0.1, **kw),
@@ -162,6 +162,6 @@ def test_compiled_steps_keep_views_of_the_state_only():
     opt = run(
         lambda ps: RULES["multiplicative"](ps, seed=0, noise="table", compile=True), model, x, y, 3
     )
-    kept = opt._scratch.kept_rows
+    kept = opt._engine.scratch.kept_rows
     run(lambda ps: opt, model, x, y, 5)
-    assert opt._scratch.kept_rows == kept
+    assert opt._engine.scratch.kept_rows == kept

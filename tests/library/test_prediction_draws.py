@@ -14,8 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 import liegroup_blr as lgb
 from liegroup_blr.predictive import predictive_log_probs
 from tests.integrations.test_training_loops import assert_equal, plain_step
-from tests.library.test_optim import FACTORIES, closure_for, make_problem, snapshot
 from tests.processes import spawn
+from tests.shared import FACTORIES, closure_for, make_problem, snapshot
 
 KINDS = list(FACTORIES)
 OPTIONS = {

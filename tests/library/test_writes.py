@@ -18,7 +18,7 @@ import liegroup_blr as lgb
 from liegroup_blr.distributions import Dirac, Rayleigh
 from liegroup_blr.groups import AdditiveGroup, LieGroup, MultiplicativeGroup
 from tests.integrations.test_training_loops import assert_equal, plain_step
-from tests.library.test_optim import FACTORIES, closure_for, make_problem, snapshot
+from tests.shared import FACTORIES, closure_for, make_problem, snapshot
 
 KINDS = list(FACTORIES)
 MODES = ["point", "sample"]

@@ -1,5 +1,6 @@
 """The optimizer package stays readable: a step walks few calls through few files, each rule
-picks its implementation in one dispatcher, and no module grows past a page count."""
+picks its implementation in one dispatcher, no class of the library grows past 700 lines and
+no module past 800."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import liegroup_blr as lgb
 
 PACKAGE = Path(lgb.__file__).resolve().parent
 RULES = {
-    "additive": lambda ps: lgb.AdditiveBLR(ps, lr=0.05, data_size=100),
-    "multiplicative": lambda ps: lgb.MultiplicativeBLR(
-        ps, lr=1.0, temperature=0.006, data_size=100, init="auto"
+    "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=0.05, data_size=100, **kw),
+    "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
+        ps, lr=1.0, temperature=0.006, data_size=100, init="auto", **kw
     ),
-    "affine": lambda ps: lgb.AffineBLR(ps, lr=1.0, scale_lr=0.05, data_size=100),
+    "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=1.0, scale_lr=0.05, data_size=100, **kw),
 }
 
 
@@ -82,6 +83,57 @@ def test_one_eager_step_walks_at_most_30_calls_through_15_file_crossings(rule):
     assert crossings <= 15, f"{crossings} file crossings"
 
 
+@pytest.mark.parametrize("closure_free", [False, True], ids=["closure", "p.grad"])
+@pytest.mark.parametrize("rule", RULES)
+def test_one_sample_mode_step_walks_at_most_30_calls(rule, closure_free):
+    """``between_steps="sample"``: one step, with a closure or on ``p.grad`` as Hugging Face
+    and accelerate call it, including the draw of the next sample the parameters hold (38
+    calls before the rule became an object and the engine a module)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    opt = RULES[rule](model.parameters(), between_steps="sample")
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    def step():
+        if not closure_free:
+            return opt.step(closure)
+        closure()
+        return opt.step()
+
+    step()  # the first step makes the state and buffers
+    before = {p: opt.state[p]["element"].clone() for p in model.parameters()}
+    held = [p.detach().clone() for p in model.parameters()]
+    calls, _ = count_calls(step)
+    assert all(not torch.equal(before[p], opt.state[p]["element"]) for p in model.parameters())
+    assert all(not torch.equal(h, p) for h, p in zip(held, model.parameters(), strict=True))
+    assert calls <= 30, f"{calls} calls into liegroup_blr"
+
+
+def test_the_engine_imports_no_optimizer_class():
+    """The Monte-Carlo loop (``optim/engine.py``) takes the rule, the noise source, the holding
+    and its state; it reads only torch's interface of the optimizer and imports none."""
+    tree = ast.parse((PACKAGE / "optim" / "engine.py").read_text(encoding="utf-8"))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    optimizers = {
+        name
+        for name in imported
+        if name.startswith(("torch.optim", "base.")) or name.endswith(("BLR", "Optimizer"))
+    }
+    assert not optimizers, optimizers
+    assert "rule.Rule" in imported and "holding.Holding" in imported
+
+
 def test_the_call_counter_counts_calls_and_crossings():
     """The counter itself: two calls from outside into the package, each calling the same
     file twice more, and the comprehension around them left out."""
@@ -102,6 +154,40 @@ def test_rule_classes_do_not_branch_on_compile(module):
             for test in (n.test for n in ast.walk(node) if isinstance(n, (ast.If, ast.IfExp))):
                 names = {a.attr for a in ast.walk(test) if isinstance(a, ast.Attribute)}
                 assert "compile" not in names, f"{module}: {node.name} branches on compile"
+
+
+# ---------------------------------------------------------------- sizes
+CLASS_LINES = 700  # issue 42: BLROptimizer had 1,166 lines and 62 methods
+MODULE_LINES = 800  # a class at the limit, its module's docstring, imports and helpers
+
+
+def class_lines(path: Path) -> dict[str, int]:
+    """Each class of the file (nested ones too) → its lines, decorators included."""
+    return {
+        node.name: node.end_lineno - min(n.lineno for n in [node, *node.decorator_list]) + 1
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+def test_no_class_of_the_library_is_over_700_lines():
+    """A class a newcomer can read in one sitting."""
+    long = [
+        f"{path.relative_to(PACKAGE)}: {name} ({lines} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in class_lines(path).items()
+        if lines > CLASS_LINES
+    ]
+    assert not long
+
+
+def test_no_module_of_the_library_is_over_800_lines():
+    long = [
+        f"{path.relative_to(PACKAGE)} ({lines} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MODULE_LINES
+    ]
+    assert not long
 
 
 # ---------------------------------------------------------------- the import tree

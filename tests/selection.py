@@ -1,0 +1,350 @@
+"""The fast selection: the tests not marked slow, distributed or compile,
+
+    .venv/bin/python -m pytest -n 2 -m "not slow and not distributed and not compile"
+
+A test is slow where its decorator says so, or where :data:`SLOW` lists it (``conftest.py``
+marks those): every test function that took over :data:`SECONDS`, its parametrisations
+together, in a run of the whole suite on 2 cores, but those :data:`KEPT` for a module that
+no faster test touches. The selection touches every module of liegroup_blr and experiments
+(``tests/project/test_selection.py`` holds that). After a change of the tests, regenerate
+the list from a whole run,
+
+    .venv/bin/python -m pytest -n 2 --junitxml=/tmp/all.xml
+    .venv/bin/python -m tests.selection /tmp/all.xml [more reports: the slowest counts]
+
+and paste what the second command prints over :data:`SLOW`."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LEFT_OUT = ("slow", "distributed", "compile")
+SECONDS = 0.3  # a test function over this is slow
+
+# kept however long they take: the one test of a module no faster test touches
+KEPT: dict[str, tuple[str, ...]] = {
+    "tests/integrations/test_integrations_lightning.py": (
+        "test_predict_at_the_model_average_of_samples",
+    ),
+    "tests/integrations/test_integrations_transformers.py": (
+        "test_multiplicative_default_init_keeps_the_layer_norms_of_a_tiny_bert",
+    ),
+    "tests/library/test_checkpoint.py": (
+        "test_a_run_saved_and_loaded_with_dcp_resumes_bit_for_bit",
+    ),
+}
+
+SLOW: dict[str, tuple[str, ...]] = {
+    "tests/drivers/test_benchmarks.py": (
+        "test_a_part_over_its_budget_is_stopped",
+        "test_gpu_run_refuses_wheels_pip_cannot_install",
+        "test_gpu_run_writes_every_parts_status_when_one_fails",
+        "test_scale_quick_part_3_prints_the_time_left_and_every_rule",
+        "test_step_time_quick_prints_the_time_left_and_every_row",
+    ),
+    "tests/drivers/test_continual.py": (
+        "test_a_diverged_run_is_reported_and_the_others_finish",
+        "test_a_memory_keeps_examples_of_every_finished_task_on_its_head",
+        "test_a_validation_run_never_reads_the_test_set",
+        "test_each_memory_example_counts_as_one_of_the_task_and_the_prior_strength_is_passed_on",
+        "test_ewc_penalty_changes_the_trajectory",
+        "test_no_test_image_is_a_training_image",
+        "test_non_finite_metrics_after_a_task_stop_the_run_as_diverged",
+        "test_permuted_tasks_are_the_same_split_with_permuted_pixels",
+        "test_replaying_the_memory_keeps_the_first_task",
+        "test_resume_after_an_interruption_reaches_the_uninterrupted_result",
+        "test_smoke_config_runs_from_the_cli",
+        "test_split_tasks_hold_exactly_their_two_digits",
+        "test_the_posterior_of_a_rule_is_saved_and_becomes_the_prior",
+        "test_the_prior_removed_keeps_the_first_task_s_regularisers",
+        "test_tuning_trains_every_point_on_the_validation_split_and_chooses_the_best",
+    ),
+    "tests/drivers/test_docs_tables.py": (
+        "test_a_comparison_folder_becomes_a_summary_the_pages_can_quote",
+    ),
+    "tests/drivers/test_experiments.py": (
+        "test_cli_reports_errors_and_runs",
+        "test_compare_writes_report_folder",
+        "test_end_to_end",
+        "test_resume_of_a_finished_run_only_evaluates",
+        "test_resume_reaches_the_uninterrupted_result",
+        "test_threads_sets_torchs_thread_count",
+        "test_training_learns_the_synthetic_task",
+    ),
+    "tests/drivers/test_experiments_parts.py": (
+        "test_a_helper_module_answers_on_the_real_command_line",
+        "test_a_helper_module_says_what_it_is_and_which_driver_to_run",
+        "test_cnn_matches_the_reference_architecture",
+        "test_mnist5k_split_is_stratified_in_file_order",
+        "test_rules_train_nhwc_weights_as_nchw",
+    ),
+    "tests/drivers/test_experiments_tuning.py": (
+        "test_tuning_trains_every_point_on_held_out_examples_and_chooses_the_best",
+    ),
+    "tests/drivers/test_figures.py": (
+        "test_every_figure_of_a_comparison_names_it",
+        "test_every_figure_of_a_run_names_its_data_rule_and_seed",
+        "test_filter_grid_has_a_colour_bar_of_its_scale",
+    ),
+    "tests/drivers/test_memory_map.py": (
+        "test_refusals_are_one_line",
+        "test_the_command_writes_every_part_and_resumes_without_losing_a_retraining",
+        "test_the_drift_floor_is_zero_where_retraining_is_deterministic_and_at_rest",
+        "test_the_map_of_a_finished_run_is_written_into_its_folder",
+    ),
+    "tests/drivers/test_memory_map_converged.py": (
+        "test_converged_retraining_moves_nothing_unless_an_example_is_removed",
+        "test_the_command_writes_its_files_and_resumes_without_redoing_a_retraining",
+    ),
+    "tests/drivers/test_memory_map_loo.py": (
+        "test_the_command_writes_every_criterion_per_delta_and_resumes",
+    ),
+    "tests/drivers/test_reporting.py": (
+        "test_compare_figures_name_the_data_and_the_seeds",
+        "test_compare_over_seeds_reports_mean_sd_and_per_seed",
+        "test_compare_seeds_flag_overrides_the_config",
+        "test_log_g_walk_runs_each_noise_and_reports_final_metrics",
+    ),
+    "tests/drivers/test_run_safety.py": (
+        "test_a_changed_half_finished_run_starts_again",
+        "test_a_checkpoint_without_rows_resumes_with_those_of_metrics_file",
+        "test_a_finished_run_without_checkpoint_is_never_overwritten",
+        "test_a_folder_in_use_is_refused_until_its_run_dies",
+        "test_compare_checks_before_writing_its_config",
+        "test_corrupt_checkpoint_is_one_line",
+        "test_corrupt_metrics_file_is_rebuilt_on_resume",
+        "test_corrupt_run_config_names_the_file",
+        "test_interrupting_at_every_write_loses_nothing",
+        "test_kill_after_a_checkpoint_loses_no_metrics_row",
+        "test_kill_during_a_resume_loses_nothing",
+        "test_resume_refuses_to_change_or_drop_what_has_run",
+        "test_resume_takes_changes_to_runs_that_have_not_started",
+    ),
+    "tests/drivers/test_skeleton.py": (
+        "test_continual_checks_every_method_before_anything_is_written",
+        "test_continual_reports_the_time_left_after_every_epoch",
+    ),
+    "tests/integrations/test_integrations_lightning.py": (
+        "test_automatic_mc_samples_scheduler_and_clipping_equal_the_closure_loop",
+        "test_stochastic_weight_averaging_keeps_its_average",
+        "test_test_and_validate_with_the_best_checkpoint_score_that_checkpoint",
+    ),
+    "tests/integrations/test_integrations_plain.py": (
+        "test_importing_the_library_imports_no_training_stack",
+    ),
+    "tests/integrations/test_integrations_skorch.py": (
+        "test_partial_fit_after_early_stopping_with_load_best_starts_from_the_best_weights",
+    ),
+    "tests/integrations/test_integrations_transformers.py": (
+        "test_a_blr_trainer_without_a_lie_group_optimizer_warns",
+        "test_evaluating_during_training_changes_no_step",
+        "test_load_best_model_at_end_evaluates_and_saves_the_best_checkpoint",
+        "test_the_callback_leaves_the_point_estimate_and_a_second_train_continues_exactly",
+        "test_the_callback_saves_and_evaluates_the_point_estimate_during_training",
+        "test_tiny_bert_trains_evaluates_saves_and_resumes",
+        "test_trainer_evaluates_the_model_average_of_samples",
+        "test_trainer_evaluating_the_model_average_during_training_resumes_bit_for_bit",
+        "test_trainer_saves_the_point_estimate_and_resumes_bit_for_bit",
+        "test_trainer_steps_the_clipped_gradient_at_samples_and_evaluates_at_the_point",
+        "test_weight_decay_in_the_trainers_param_groups_is_the_gaussian_prior",
+        "test_what_the_trainer_cannot_step_is_refused_in_one_line",
+    ),
+    "tests/integrations/test_training_loops.py": (
+        "test_a_closure_that_zeroes_gradients_made_outside_steps_as_if_they_were_never_made",
+        "test_grad_scaler_step_without_the_argument_equals_the_unscaled_run",
+        "test_gradient_accumulation_in_sample_mode_is_one_sample_on_the_whole_batch",
+        "test_sample_mode_copy_continues_like_the_original",
+        "test_sample_mode_parameters_hold_a_fresh_sample_and_point_estimate_gives_it_back",
+        "test_sample_mode_resumes_bit_for_bit_from_a_state_dict",
+        "test_sample_mode_steps_on_p_grad_exactly_as_point_mode_steps_with_a_closure",
+    ),
+    "tests/library/test_custom_groups.py": (
+        "test_group_axioms",
+        "test_monte_carlo_fisher_matches_the_declared_metric",
+    ),
+    "tests/library/test_distributions.py": (
+        "test_rayleigh_rsample_moments_and_law",
+        "test_sample_into_law",
+        "test_student_t_draws_into_half_and_channels_last_tensors",
+        "test_student_t_integer_df_law_on_a_million_draws",
+    ),
+    "tests/library/test_fisher.py": (
+        "test_fisher_closed_form_matches_monte_carlo",
+        "test_inverse_metric_monte_carlo_block_for_elementwise_groups",
+        "test_inverse_metric_of_a_non_coordinatewise_group",
+        "test_uncovered_pairs_fall_back_to_monte_carlo",
+        "test_user_defined_group_heavy_tailed_fisher",
+    ),
+    "tests/library/test_generic_rule.py": (
+        "test_step_factors_by_component_name_equal_factors_by_position",
+    ),
+    "tests/library/test_geoopt.py": (
+        "test_additive_quadratic_converges",
+        "test_affine_kl_converges",
+        "test_affine_large_step_adam_stays_positive_and_converges",
+        "test_importing_the_library_raises_no_warning_where_warnings_are_errors",
+        "test_multiplicative_log_cosh_converges",
+    ),
+    "tests/library/test_geoopt_port.py": ("test_retraction_and_riemannian_gradient",),
+    "tests/library/test_groups.py": (
+        "test_action_is_a_group_action",
+        "test_affine_exp_is_the_matrix_exponential",
+        "test_log_abs_det_is_additive",
+        "test_retraction_is_the_exponential_update",
+    ),
+    "tests/library/test_kernels.py": ("test_deferred_accumulation_equals_immediate",),
+    "tests/library/test_kl.py": (
+        "test_closed_form_gradient_against_monte_carlo",
+        "test_closed_form_kl_against_monte_carlo_of_the_laws",
+        "test_closed_form_kl_against_quadrature_per_coordinate",
+        "test_kl_is_nonnegative_and_left_invariant",
+        "test_library_monte_carlo_agrees_with_the_closed_form",
+        "test_monte_carlo_affine_student_t_against_quadrature",
+        "test_zero_kl_and_zero_gradient_at_equal_elements",
+    ),
+    "tests/library/test_mc.py": ("test_vectorised_samples_equal_the_sequential_loop",),
+    "tests/library/test_memorable.py": (
+        "test_kprior_is_exact_for_multinomial_logistic_regression",
+    ),
+    "tests/library/test_noise.py": (
+        "test_antithetic_pairs_lower_the_variance_of_location_gradients",
+        "test_generic_and_specialised_agree_with_every_noise_source",
+    ),
+    "tests/library/test_optim.py": (
+        "test_all_rules_train_a_network",
+        "test_bfloat16_parameters_keep_float32_state",
+        "test_generic_rule_equals_specialised_rule_step_for_step",
+        "test_manual_sampling_loop_equals_closure_loop",
+        "test_state_dict_round_trip_continues_bit_identically",
+    ),
+    "tests/library/test_posterior.py": (
+        "test_a_sample_is_the_optimizers_bit_for_bit_given_its_noise",
+        "test_half_precision_parameters",
+        "test_model_average_from_the_posterior_equals_the_optimizers",
+        "test_point_estimate_is_what_the_optimizer_writes",
+        "test_sample_moments_follow_the_group_and_base",
+    ),
+    "tests/library/test_precision.py": (
+        "test_half_precision_follows_the_float32_path_with_float32_state",
+    ),
+    "tests/library/test_prediction_draws.py": (
+        "test_evaluating_between_steps_does_not_change_training",
+    ),
+    "tests/library/test_sensitivity.py": (
+        "test_affine_rule_trained_at_a_temperature_gives_the_untempered_estimate",
+        "test_batched_equals_unbatched",
+    ),
+    "tests/library/test_torch_optim_port.py": (
+        "test_autocast_with_grad_scaler_trains",
+        "test_every_scheduler_sets_the_rates_of_every_step",
+        "test_forloop_goes_right_direction",
+        "test_goes_right_direction",
+        "test_half_precision_parameters_keep_float32_state",
+    ),
+    "tests/project/test_architecture.py": ("test_each_module_is_listed_once_on_its_floor",),
+    "tests/project/test_docs.py": ("test_page_examples_run",),
+    "tests/project/test_selection.py": (
+        "test_every_test_listed_slow_exists",
+        "test_the_fast_selection_touches_every_module",
+        "test_the_reach_counts_names_and_their_imports_but_not_a_package_s",
+    ),
+    "tests/project/test_structure.py": ("test_drivers_and_benchmarks_import_only_public_names",),
+}
+
+
+def is_listed(nodeid: str) -> bool:
+    """Whether :data:`SLOW` lists the test ``FILE::NAME[PARAMETERS]``."""
+    path, _, name = nodeid.partition("::")
+    return name.partition("[")[0] in SLOW.get(path, ())
+
+
+def _marks(decorators: list[ast.expr]) -> set[str]:
+    """The ``pytest.mark.NAME`` of the decorators (called or not, in a list or not)."""
+    found = set()
+    for node in decorators:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute):
+                if sub.value.attr == "mark":
+                    found.add(sub.attr)
+    return found
+
+
+def test_functions(path: Path) -> dict[str, set[str]]:
+    """The test functions of the file (``Class::name`` in a class) → their marks, the
+    module's ``pytestmark`` included."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    module_marks: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+        ):
+            module_marks |= _marks([node.value])
+    found: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+            found[node.name] = module_marks | _marks(node.decorator_list)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name.startswith("test"):
+                    marks = module_marks | _marks(node.decorator_list + item.decorator_list)
+                    found[f"{node.name}::{item.name}"] = marks
+    return found
+
+
+def files() -> list[str]:
+    """The test files with a test in the fast selection."""
+    chosen = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if any(
+            not marks & set(LEFT_OUT) and function not in SLOW.get(name, ())
+            for function, marks in test_functions(path).items()
+        ):
+            chosen.append(name)
+    return chosen
+
+
+def slow_from_junit(*reports: Path) -> dict[str, list[str]]:
+    """The test functions over :data:`SECONDS` in JUnit XML reports of the whole suite (in
+    the slowest report of each), those a decorator already leaves out of the selection left
+    out."""
+    seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
+    for report in reports:
+        this: dict[tuple[str, str], float] = collections.defaultdict(float)
+        for case in ET.parse(report).iter("testcase"):
+            parts = case.attrib["classname"].split(".")
+            split = next(i for i in range(len(parts), 0, -1) if parts[i - 1].startswith("test"))
+            path = "/".join(parts[:split]) + ".py"
+            function = "::".join([*parts[split:], case.attrib["name"].partition("[")[0]])
+            this[path, function] += float(case.attrib.get("time", 0.0))
+        for key, total in this.items():
+            seconds[key] = max(seconds[key], total)
+    marks = {path: test_functions(ROOT / path) for path, _ in seconds if (ROOT / path).is_file()}
+    slow: dict[str, list[str]] = collections.defaultdict(list)
+    for (path, function), total in sorted(seconds.items()):
+        if function in marks.get(path, {}) and not marks[path][function] & set(LEFT_OUT):
+            if total > SECONDS and function not in KEPT.get(path, ()):
+                slow[path].append(function)
+    return dict(slow)
+
+
+def main(argv: list[str]) -> int:
+    slow = slow_from_junit(*map(Path, argv))
+    print("SLOW: dict[str, tuple[str, ...]] = {")
+    for path, functions in slow.items():
+        one = f'    "{path}": ("{functions[0]}",),'
+        if len(functions) == 1 and len(one) <= 100:  # as ruff formats it
+            print(one)
+        else:
+            print(f'    "{path}": (', *(f'        "{f}",' for f in functions), "    ),", sep="\n")
+    print("}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
