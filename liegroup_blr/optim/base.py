@@ -98,7 +98,7 @@ class BLROptimizer(Optimizer):
         if max_consecutive_skips is not None:
             check_count("max_consecutive_skips", max_consecutive_skips)
         self.between_steps = between_steps
-        kept = holding(between_steps)
+        holds = holding(between_steps)
         replicated = replicas(process_group)
         source = noise_source(noise, antithetic=antithetic, table_size=table_size)
         rank = 0 if process_group is None else dist.get_rank(process_group)
@@ -109,7 +109,7 @@ class BLROptimizer(Optimizer):
             self,
             rule,
             source,
-            kept,
+            holds,
             mc_samples=mc_samples,
             point_convention=point_estimate,
             compile=bool(compile),
@@ -126,7 +126,7 @@ class BLROptimizer(Optimizer):
         self._engine.fresh_gradients()  # gradients from before construction are nobody's
         if prior is not None:
             self.set_prior(prior)
-        kept.between_steps(self._engine)
+        holds.between_steps(self._engine)
         self._writes.mark()
 
     # ------------------------------------------------------------- options
