@@ -503,12 +503,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run(
-        "python -m experiments.memory_converged",
-        __doc__,
-        converged,
-        _show,
-        sys.argv[1:] if argv is None else argv,
-        cli.parse_seeds,
+        "python -m experiments.memory_converged", __doc__, converged, _show, argv, cli.parse_seeds
     )
 
 

@@ -210,12 +210,11 @@ class NoiseSource:
     def state_dict(self) -> dict[str, Any]:
         """Seed and the states of the training (``"rng"``) and prediction (``"predict_rng"``)
         generators."""
-        rng, predict = self._generators, self._predict  # (one call: the engine's per step)
-        return {
-            "seed": self._seed,
-            "rng": {f"{device}{shard}": gen.get_state() for (device, shard), gen in rng.items()},
-            "predict_rng": {f"{d}{shard}": gen.get_state() for (d, shard), gen in predict.items()},
-        }
+        generators = {"rng": self._generators, "predict_rng": self._predict}
+        state: dict[str, Any] = {"seed": self._seed}  # one call: the engine takes it per step
+        for key, gens in generators.items():
+            state[key] = {f"{d}{shard}": gen.get_state() for (d, shard), gen in gens.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; prediction generators missing from ``state`` (a state

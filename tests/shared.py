@@ -63,6 +63,21 @@ def with_tables(cfg: dict[str, Any], **tables: Any) -> dict[str, Any]:
 DTYPE = torch.float64
 
 
+def digits_affine(**options: Any) -> dict[str, Any]:
+    """The affine run of the memory-map drivers' tests on the digits: its optimizer table,
+    ``options`` overriding its entries (``None`` drops one)."""
+    optimizer = {
+        "name": "affine",
+        "lr": 0.1,
+        "scale_lr": 10.0,
+        "temperature": 0.1,
+        "prior_precision": 25.0,
+        "base_scale": 0.02,
+        **options,
+    }
+    return {"optimizer": {k: v for k, v in optimizer.items() if v is not None}}
+
+
 def make_problem(seed: int = 0, dtype: torch.dtype = DTYPE):
     """A small tanh network and a fixed classification batch."""
     gen = torch.Generator().manual_seed(seed)

@@ -25,7 +25,7 @@ from experiments.memory_scores import BASELINES, RANKINGS
 from experiments.memory_stats import SPACES, agreement, changes, pearson, spearman, summarise_flips
 from liegroup_blr.distributions import Dirac
 from tests.drivers.test_experiments import assert_png
-from tests.shared import tiny_config
+from tests.shared import digits_affine, tiny_config
 
 
 def tiny(**memory: Any) -> dict[str, Any]:
@@ -43,16 +43,7 @@ def tiny(**memory: Any) -> dict[str, Any]:
             **memory,
         },
         runs={
-            "affine": {
-                "optimizer": {
-                    "name": "affine",
-                    "lr": 0.1,
-                    "scale_lr": 10.0,
-                    "temperature": 0.1,
-                    "prior_precision": 25.0,
-                    "base_scale": 0.02,
-                }
-            },
+            "affine": digits_affine(),
             "multiplicative": {
                 "optimizer": {"name": "multiplicative", "lr": 5.0, "temperature": 0.01}
             },

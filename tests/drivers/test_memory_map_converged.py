@@ -17,7 +17,7 @@ from experiments import config as config_module
 from experiments import memory_converged as mc
 from experiments import runfiles
 from experiments.memory_map import trained
-from tests.shared import tiny_config
+from tests.shared import digits_affine, tiny_config
 
 
 def tiny(**converged: Any) -> dict[str, Any]:
@@ -37,18 +37,7 @@ def tiny(**converged: Any) -> dict[str, Any]:
                 **converged,
             }
         },
-        runs={
-            "affine": {
-                "optimizer": {
-                    "name": "affine",
-                    "lr": 0.1,
-                    "scale_lr": 10.0,
-                    "temperature": 0.1,
-                    "prior_precision": 25.0,
-                    "base_scale": 0.02,
-                }
-            }
-        },
+        runs={"affine": digits_affine()},
     )
 
 

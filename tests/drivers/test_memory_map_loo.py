@@ -14,7 +14,7 @@ from experiments import config as config_module
 from experiments import memory_loo as ml
 from experiments import runfiles
 from experiments.docs_tables import flatten
-from tests.shared import tiny_config
+from tests.shared import digits_affine, tiny_config
 
 
 def tiny(**loo: Any) -> dict[str, Any]:
@@ -25,17 +25,7 @@ def tiny(**loo: Any) -> dict[str, Any]:
         schedule={"epochs": 2},
         eval=None,
         memory={"loo": {"prior_precisions": [1.0, 100.0], "samples": 4, **loo}},
-        runs={
-            "affine": {
-                "optimizer": {
-                    "name": "affine",
-                    "lr": 0.1,
-                    "scale_lr": 10.0,
-                    "temperature": 0.1,
-                    "base_scale": 0.02,
-                }
-            }
-        },
+        runs={"affine": digits_affine(prior_precision=None)},
     )
 
 
