@@ -3,41 +3,48 @@
     python -m experiments.memory_converged CONFIG.toml [--out DIR] [--resume] [--seeds 0]
 
 CONFIG is a run config (or a comparison config with ``[runs.LABEL]`` tables) of the affine
-rule (:class:`liegroup_blr.AffineBLR`, a diagonal Gaussian posterior) with a ``[memory.converged]``
-table (:data:`CONVERGED`). For every run and seed, into ``DIR/LABEL/seedS``:
+rule with a Gaussian base (:class:`liegroup_blr.AffineBLR`, a diagonal Gaussian posterior) or
+the signed multiplicative rule with a prior (:class:`liegroup_blr.MultiplicativeBLR`,
+δ > 0), with a ``[memory.converged]`` table (:data:`CONVERGED`). For every run and seed,
+into ``DIR/LABEL/seedS``:
 
 1. ``train/``: train the run (:func:`experiments.memory_map.trained`);
 2. ``estimates.pt``: the memory-map estimate of every training example (Jacobian form,
    :func:`liegroup_blr.memory_map`): of the change of its logits (Σₖ|vₖeₖ|) and of its
    probabilities (Σₖ|eₖλₖvₖ|);
 3. ``retrain.jsonl``: deterministic leave-one-out retraining of ``examples`` random training
-   examples to convergence (:class:`ShiftRetrainer`), and a control with nothing removed;
-   one row per retraining, written as each finishes (``--resume`` skips the finished);
-4. ``converged.png`` (the objective settling, the estimate against the truth on log-log
-   axes with the identity line and the floor) and ``summary.json``.
+   examples to convergence (:data:`RETRAINERS`), and a control with nothing removed; one
+   row per retraining, written as each finishes (``--resume`` skips the finished);
+4. ``estimates_at_control.pt``: the same estimates under the converged control's posterior,
+   the stationary point the memory-perturbation equation assumes;
+5. ``influence.pt``: the change predicted from the exact Hessian of the objective at the
+   control, and the approximations from it to the estimate's form
+   (:mod:`experiments.memory_influence`);
+6. ``converged.png`` (the objective settling, the estimate against the truth on log-log
+   axes with the identity line and the floor), ``influence.png`` (each prediction against
+   the truth) and ``summary.json``.
 
 ``DIR`` gets ``config.json`` (every resolved config and the ``[memory.converged]`` table),
 ``results.json`` and ``docs_summary.json`` (:func:`write_docs_summary`: what
 ``docs/results/NAME.json`` holds).
 
-The retraining: the posterior's mean m moves, its covariance A²σ² stays the trained one;
-the expectation over q is replaced by ``samples`` draws of q0 fixed for the whole retraining
-(antithetic pairs: θ_s = m ± A(ξ_s − Eξ)), so the objective
-
-    J(m) = 1/(S·N) Σ_s Σ_{j kept} ℓ_j(m + A(ξ_s − Eξ)) + δ/(2N) ‖m‖²
-
-(the affine rule's objective in its mean, with the N of the full data set whatever is
-removed) is deterministic and is minimised by L-BFGS (strong Wolfe line search) in float64,
-warm-started from the trained mean, in chunks of ``chunk`` iterations until the relative
-change of J over a chunk falls below ``rtol`` or ``max_iterations`` are done. The control
-(nothing removed) runs the same from the same start: the truth is the removal's retrained
-prediction minus the control's, and the floor is the control's minus the trained one (what
-retraining alone moves).
+The retraining: the expectation over q in the rule's objective is replaced by ``samples``
+draws of q0 fixed for the whole retraining, with the N of the full data set whatever is
+removed, so the objective is deterministic (:class:`ShiftRetrainer`: the affine rule's in
+its mean, the covariance held at the trained one; :class:`ScaleRetrainer`: the
+multiplicative rule's in log g±). It is minimised by L-BFGS (strong Wolfe line search) in
+float64 in chunks of ``chunk`` iterations until the relative change of the objective over a
+chunk falls below ``rtol`` or ``max_iterations`` are done. The control (nothing removed)
+starts from the trained posterior, each removal from the control's converged one: the truth
+is the removal's retrained prediction minus the control's; the floor is the same retraining
+with nothing removed (what the protocol moves by itself); the drift is the control's
+prediction minus the trained one (what converging moves from the trained posterior).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -51,11 +58,11 @@ from torch.func import functional_call
 from torch.nn.functional import cross_entropy
 
 import liegroup_blr as lgb
-from experiments import cli, memory_map, runfiles, skeleton
+from experiments import cli, memory_influence, memory_map, runfiles, skeleton
 from experiments import config as config_module
 from experiments.memory_map import metrics_on_test, trained
 from experiments.memory_scores import train_inputs
-from experiments.memory_stats import aggregate, median_ratio, pearson, spearman
+from experiments.memory_stats import against, aggregate, median_ratio, spearman
 from experiments.train import check_runs
 from liegroup_blr.groups import DiagonalAffineGroup
 
@@ -68,11 +75,13 @@ CONVERGED: dict[str, Any] = {
     "history": 50,
 }
 """The ``[memory.converged]`` table with its defaults: ``samples`` fixed draws of q0 (even:
-antithetic pairs) for the expectation over q, ``examples`` random training examples to
-retrain, L-BFGS in chunks of ``chunk`` iterations (``history`` pairs kept) until the relative
-change of the objective over a chunk is below ``rtol`` or ``max_iterations`` are done."""
+the affine rule's are antithetic pairs) for the expectation over q, ``examples`` random
+training examples to retrain, L-BFGS in chunks of ``chunk`` iterations (``history`` pairs
+kept) until the relative change of the objective over a chunk is below ``rtol`` or
+``max_iterations`` are done."""
 
 ESTIMATES, RETRAIN, SUMMARY = "estimates.pt", "retrain.jsonl", "summary.json"
+ESTIMATES_AT_CONTROL, INFLUENCE = "estimates_at_control.pt", "influence.pt"
 BASELINES = ("loss", "residual", "variance")
 """Rankings without the estimate, checked against the truth too."""
 CONTROL_MEAN = "control_mean.pt"
@@ -95,14 +104,28 @@ def _check(table: dict[str, Any], configs: dict[str, dict[int, dict[str, Any]]])
         )
     for by_seed in configs.values():
         for cfg in by_seed.values():
-            opt = cfg["optimizer"]
-            if opt["name"] != "affine" or opt.get("base", "gaussian") != "gaussian":
-                raise config_module.ConfigError(
-                    f"[optimizer] {opt['name']!r}: this check retrains a diagonal Gaussian "
-                    "posterior's mean; it needs name = 'affine' with base = 'gaussian'"
-                )
+            _check_optimizer(cfg["optimizer"])
             if cfg["data"]["augment"]:
                 raise config_module.ConfigError("[data].augment must be false")
+
+
+def _check_optimizer(opt: dict[str, Any]) -> None:
+    """The rules this check can retrain (:data:`RETRAINERS`), each where its objective has a
+    minimiser."""
+    if opt["name"] == "affine" and opt.get("base", "gaussian") == "gaussian":
+        return
+    if opt["name"] == "multiplicative" and opt.get("signed", True):
+        if not opt["prior_precision"] > 0:
+            raise config_module.ConfigError(
+                "[optimizer].prior_precision = 0: the multiplicative objective then has no "
+                "minimiser (the entropy −τ/N Σ log g falls without bound as g grows); set "
+                "prior_precision > 0"
+            )
+        return
+    raise config_module.ConfigError(
+        f"[optimizer] {opt['name']!r}: this check retrains name = 'affine' with base = "
+        "'gaussian' (the mean) or name = 'multiplicative' with signed = true (log g±)"
+    )
 
 
 def resolve(
@@ -118,66 +141,100 @@ def resolve(
 
 
 # ---------------------------------------------------------------- retraining
-class ShiftRetrainer:
-    """Deterministic retraining of a diagonal Gaussian posterior's mean, its covariance and
-    the draws of q0 held fixed (module docstring); float64 on the CPU."""
+class Retrainer:
+    """Deterministic leave-one-out retraining of a trained posterior's free parameters
+    (``start``, name → tensor) by L-BFGS in float64 on the CPU, of the objective
+
+        J = 1/(S·N) Σ_s Σ_{j kept} ℓ_j(θ_s) + penalty,
+
+    θ_s the ``samples`` fixed draws of the posterior; a subclass gives the draws, the
+    penalty, the point whose logits are read and the posterior at given parameters."""
+
+    start: dict[str, Tensor]
 
     def __init__(self, run: Any, table: dict[str, Any], seed: int) -> None:
-        post = lgb.Posterior.from_optimizer(run.optimizer, run.model)
+        self.generator = torch.Generator().manual_seed(seed + 104729)  # the fixed draws
+        self.post = lgb.Posterior.from_optimizer(run.optimizer, run.model)
         self.table = table
         self.model = copy.deepcopy(run.model).double().cpu().eval()
         x, y = train_inputs(run)
         self.x, self.y = x.double().cpu(), y.cpu()
         self.size = len(self.y)
+        self.dtype = next(iter(self.post.values())).element.dtype
         names = list(dict(self.model.named_parameters()))
-        gen = torch.Generator().manual_seed(seed + 104729)
-        self.mean: dict[str, Tensor] = {}
-        self.noise: dict[str, Tensor] = {}  # name → [S, *shape]
-        half = table["samples"] // 2
-        for key, entry in post.items():
-            if not isinstance(entry.group, DiagonalAffineGroup):
-                raise ValueError(f"posterior: entry {key!r} is not diagonal affine")
-            name = key if isinstance(key, str) else names[key]
-            A, b = entry.element[0].double().cpu(), entry.element[1].double().cpu()
-            centre = float(entry.base.mean)
-            xi = torch.empty((half, *A.shape), dtype=torch.float64)
-            lgb.distributions.sample_into(entry.base, xi, gen)
-            xi = torch.cat([xi - centre, centre - xi])  # antithetic about Eξ
-            self.mean[name] = b + A * centre
-            self.noise[name] = A * xi
-        self.delta = float(run.optimizer.param_groups[0]["prior_precision"])
+        self.names = {k: k if isinstance(k, str) else names[k] for k in self.post}
+        groups = run.optimizer.param_groups
+        self.delta = float(groups[0]["prior_precision"])
+        self.tau = float(groups[0]["temperature"])
 
-    def objective(self, mean: dict[str, Tensor], keep: Tensor | None) -> Tensor:
-        """J(m) of the module docstring, over the rows ``keep`` (None: all)."""
-        x, y = (self.x, self.y) if keep is None else (self.x[keep], self.y[keep])
-        S = self.table["samples"]
+    def draws(self, params: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        """The network's parameters θ_s at the fixed draws."""
+        raise NotImplementedError
+
+    def penalty(self, params: dict[str, Tensor], draws: list[dict[str, Tensor]]) -> Tensor:
+        """The objective's terms other than the data's."""
+        raise NotImplementedError
+
+    def point(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The network's parameters at the posterior mean."""
+        raise NotImplementedError
+
+    def objective(self, params: dict[str, Tensor], keep: Tensor | None) -> Tensor:
+        """J at ``params`` over the rows ``keep`` (None: all)."""
+        x, y = self._rows(keep)
+        draws = self.draws(params)
         total = torch.zeros((), dtype=torch.float64)
-        for s in range(S):
-            params = {n: m + self.noise[n][s] for n, m in mean.items()}
-            logits = functional_call(self.model, params, (x,))
+        for theta in draws:
+            logits = functional_call(self.model, theta, (x,))
             total = total + cross_entropy(logits, y, reduction="sum")
-        prior = sum((m.square().sum() for m in mean.values()), torch.zeros((), dtype=torch.float64))
-        return total / (S * self.size) + 0.5 * self.delta / self.size * prior
+        return total / (len(draws) * self.size) + self.penalty(params, draws)
+
+    def example_loss(self, params: dict[str, Tensor], i: int) -> Tensor:
+        """ℓ̄_i, example ``i``'s loss averaged over the draws: N times what it adds to J."""
+        x, y = self.x[i : i + 1], self.y[i : i + 1]
+        draws = self.draws(params)
+        losses = [cross_entropy(functional_call(self.model, t, (x,)), y) for t in draws]
+        return torch.stack(losses).mean()
+
+    def mean_logits(self, params: dict[str, Tensor], index: Tensor) -> Tensor:
+        """The logits at the posterior mean of the examples ``index``, ``[len(index), K]``,
+        differentiable in ``params``."""
+        return functional_call(self.model, self.point(params), (self.x[index],))
 
     @torch.no_grad()
-    def logits(self, mean: dict[str, Tensor], index: Tensor) -> Tensor:
-        """The logits at the mean of the examples ``index``, ``[len(index), K]``."""
-        return functional_call(self.model, mean, (self.x[index],))
+    def logits(self, params: dict[str, Tensor], index: Tensor) -> Tensor:
+        """:meth:`mean_logits` without gradients."""
+        return self.mean_logits(params, index)
+
+    def posterior(self, params: dict[str, Tensor]) -> lgb.Posterior:
+        """The posterior at ``params``, in the trained posterior's dtype and keys."""
+        raise NotImplementedError
+
+    def _rows(self, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+        return (self.x, self.y) if keep is None else (self.x[keep], self.y[keep])
+
+    def _with(self, elements: dict[str, Tensor]) -> lgb.Posterior:
+        entries = {
+            k: dataclasses.replace(e, element=elements[self.names[k]].to(self.dtype))
+            for k, e in self.post.items()
+        }
+        return lgb.Posterior(entries, point_estimate=self.post.point_estimate)
 
     def retrain(
         self, removed: int | None, index: Tensor, start: dict[str, Tensor] | None = None
     ) -> dict[str, Any]:
-        """Minimise J without ``removed`` (None: nothing removed) from ``start`` (default: the
-        trained mean); the logits at the converged mean of ``index``, those one chunk
-        before, the objective after every chunk, the iterations, whether the stopping rule
-        was met, the final gradient's largest entry, seconds, and the converged mean."""
+        """Minimise the objective without ``removed`` (None: nothing removed) from ``start``
+        (default: the trained posterior's parameters); the logits at the converged posterior
+        of ``index``, those one chunk before, the objective after every chunk, the
+        iterations, whether the stopping rule was met, the final gradient's largest entry,
+        seconds, and the converged parameters (``self.last``)."""
         t0 = time.perf_counter()
         table = self.table
         keep = None if removed is None else torch.arange(self.size) != removed
-        start = self.mean if start is None else start
-        mean = {n: m.detach().clone().requires_grad_(True) for n, m in start.items()}
+        start = self.start if start is None else start
+        params = {n: m.detach().clone().requires_grad_(True) for n, m in start.items()}
         opt = torch.optim.LBFGS(
-            list(mean.values()),
+            list(params.values()),
             lr=1.0,
             max_iter=table["chunk"],
             history_size=table["history"],
@@ -188,26 +245,26 @@ class ShiftRetrainer:
 
         def closure() -> Tensor:
             opt.zero_grad()
-            value = self.objective(mean, keep)
+            value = self.objective(params, keep)
             value.backward()
             return value
 
         with torch.no_grad():
-            trace = [float(self.objective(mean, keep))]
-        before = self.logits(mean, index)
+            trace = [float(self.objective(params, keep))]
+        before = self.logits(params, index)
         iterations = 0
         while iterations < table["max_iterations"]:
-            before = self.logits(mean, index)
+            before = self.logits(params, index)
             opt.step(closure)
             iterations += table["chunk"]
             with torch.no_grad():
-                trace.append(float(self.objective(mean, keep)))
+                trace.append(float(self.objective(params, keep)))
             if abs(trace[-2] - trace[-1]) <= table["rtol"] * abs(trace[-1]):
                 break
-        grad = max(float(m.grad.abs().max()) for m in mean.values() if m.grad is not None)
-        self.last = {n: m.detach() for n, m in mean.items()}
+        grad = max(float(m.grad.abs().max()) for m in params.values() if m.grad is not None)
+        self.last = {n: m.detach() for n, m in params.items()}
         return {
-            "logits": self.logits(mean, index).tolist(),
+            "logits": self.logits(params, index).tolist(),
             "previous": before.tolist(),
             "objective": trace,
             "iterations": iterations,
@@ -217,7 +274,110 @@ class ShiftRetrainer:
         }
 
 
-def retrain_all(retrainer: ShiftRetrainer, examples: list[int], path: Path) -> list[dict[str, Any]]:
+class ShiftRetrainer(Retrainer):
+    """A diagonal Gaussian posterior's mean m retrained, its covariance A²σ² and ``samples``
+    antithetic draws of q0 held fixed:
+
+        J(m) = 1/(S·N) Σ_s Σ_{j kept} ℓ_j(m + A(ξ_s − Eξ)) + δ/(2N) ‖m‖²."""
+
+    def __init__(self, run: Any, table: dict[str, Any], seed: int) -> None:
+        super().__init__(run, table, seed)
+        self.mean: dict[str, Tensor] = {}
+        self.noise: dict[str, Tensor] = {}  # name → [S, *shape]
+        self.scale: dict[str, Tensor] = {}
+        half = table["samples"] // 2
+        for key, entry in self.post.items():
+            if not isinstance(entry.group, DiagonalAffineGroup):
+                raise ValueError(f"posterior: entry {key!r} is not diagonal affine")
+            name = self.names[key]
+            A, b = entry.element[0].double().cpu(), entry.element[1].double().cpu()
+            centre = float(entry.base.mean)
+            xi = torch.empty((half, *A.shape), dtype=torch.float64)
+            lgb.distributions.sample_into(entry.base, xi, self.generator)
+            xi = torch.cat([xi - centre, centre - xi])  # antithetic about Eξ
+            self.mean[name] = b + A * centre
+            self.noise[name] = A * xi
+            self.scale[name], self.centre = A, centre
+        self.start = self.mean
+
+    def draws(self, mean: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        """θ_s = m + A(ξ_s − Eξ)."""
+        S = self.table["samples"]
+        return [{n: m + self.noise[n][s] for n, m in mean.items()} for s in range(S)]
+
+    def penalty(self, mean: dict[str, Tensor], draws: list[dict[str, Tensor]]) -> Tensor:
+        """δ/(2N) ‖m‖²."""
+        prior = sum((m.square().sum() for m in mean.values()), torch.zeros((), dtype=torch.float64))
+        return 0.5 * self.delta / self.size * prior
+
+    def point(self, mean: dict[str, Tensor]) -> dict[str, Tensor]:
+        return mean
+
+    def posterior(self, mean: dict[str, Tensor]) -> lgb.Posterior:
+        """(A, b) with b = m − A·Eξ."""
+        return self._with(
+            {n: torch.stack([A, mean[n] - A * self.centre]) for n, A in self.scale.items()}
+        )
+
+
+class ScaleRetrainer(Retrainer):
+    """A signed multiplicative posterior θ = g⁺ξ⁺ − g⁻ξ⁻ retrained whole (its spread is
+    proportional to g, so nothing stays fixed), in log g±, with ``samples`` draws of ξ±
+    fixed:
+
+        J(g) = 1/(S·N) Σ_s Σ_{j kept} ℓ_j(θ_s) + δ/(2SN) Σ_s ‖θ_s‖² − τ/N Σ (log g⁺ + log g⁻),
+
+    θ_s = g⁺ξ⁺_s − g⁻ξ⁻_s: the multiplicative rule's objective, E_q over the draws. The
+    logits read are those at the posterior mean Eξ·(g⁺ − g⁻), the prediction the
+    Jacobian form of the estimate is about."""
+
+    def __init__(self, run: Any, table: dict[str, Any], seed: int) -> None:
+        super().__init__(run, table, seed)
+        self.start = {}
+        self.noise: dict[str, Tensor] = {}  # name → [S, 2, *shape]
+        for key, entry in self.post.items():
+            group = entry.group
+            if not isinstance(group, lgb.groups.MultiplicativeGroup) or not group.signed:
+                raise ValueError(f"posterior: entry {key!r} is not signed multiplicative")
+            name = self.names[key]
+            g = entry.element.double().cpu()
+            xi = torch.empty((table["samples"], *g.shape), dtype=torch.float64)
+            lgb.distributions.sample_into(entry.base, xi, self.generator)
+            self.start[name], self.noise[name] = g.log(), xi
+            self.centre = float(entry.base.mean)
+
+    def draws(self, log_scale: dict[str, Tensor]) -> list[dict[str, Tensor]]:
+        """θ_s = g⁺ξ⁺_s − g⁻ξ⁻_s, g = exp(``log_scale``)."""
+        scale = {n: log_g.exp() for n, log_g in log_scale.items()}
+        return [
+            {n: g[0] * self.noise[n][s, 0] - g[1] * self.noise[n][s, 1] for n, g in scale.items()}
+            for s in range(self.table["samples"])
+        ]
+
+    def penalty(self, log_scale: dict[str, Tensor], draws: list[dict[str, Tensor]]) -> Tensor:
+        """δ/(2SN) Σ_s ‖θ_s‖² − τ/N Σ log g."""
+        square = torch.zeros((), dtype=torch.float64)
+        for theta in draws:
+            square = square + sum(p.square().sum() for p in theta.values())
+        entropy = sum(log_g.sum() for log_g in log_scale.values())
+        return 0.5 * self.delta * square / (len(draws) * self.size) - self.tau / self.size * entropy
+
+    def point(self, log_scale: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Eξ·(g⁺ − g⁻)."""
+        return {n: self.centre * (g[0].exp() - g[1].exp()) for n, g in log_scale.items()}
+
+    def posterior(self, log_scale: dict[str, Tensor]) -> lgb.Posterior:
+        return self._with({n: log_g.exp() for n, log_g in log_scale.items()})
+
+
+RETRAINERS: dict[str, type[Retrainer]] = {
+    "affine": ShiftRetrainer,
+    "multiplicative": ScaleRetrainer,
+}
+"""The retraining for each rule this check takes, by the optimizer's name."""
+
+
+def retrain_all(retrainer: Retrainer, examples: list[int], path: Path) -> list[dict[str, Any]]:
     """The control (nothing removed; the logits of every example before and after) and one
     retraining per example (the logits of that example), each row appended to ``path``
     (rewritten atomically) as soon as it is done; rows already there are kept."""
@@ -227,7 +387,7 @@ def retrain_all(retrainer: ShiftRetrainer, examples: list[int], path: Path) -> l
     control_path = path.with_name(CONTROL_MEAN)
     if ("control", None) not in done or not control_path.exists():
         rows = [r for r in rows if r["kind"] != "control"]
-        start = retrainer.logits(retrainer.mean, everyone).tolist()
+        start = retrainer.logits(retrainer.start, everyone).tolist()
         row = retrainer.retrain(None, everyone)
         runfiles.save_torch(control_path, retrainer.last)
         rows.insert(
@@ -285,6 +445,18 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return torch.from_numpy(logits).softmax(-1).numpy()
 
 
+def at_control_summary(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per space, :func:`against` for the estimates computed at the converged control (the
+    stationary point the memory-perturbation equation assumes) rather than at the trained
+    posterior."""
+    c = changes(rows)
+    idx = c["examples"]
+    return {
+        space: against(estimates[key][idx].double().numpy(), c[f"truth_{space}"])
+        for space, key in (("f", "logits"), ("p", "probabilities"))
+    }
+
+
 def summarise(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per space (logits ``f``, probabilities ``p``): medians of the truth, floor and what
     convergence leaves; median truth ÷ floor and the share above it; the estimate's median
@@ -310,8 +482,6 @@ def summarise(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
         truth, floor, settle, drift = (
             c[f"{k}_{space}"] for k in ("truth", "floor", "settle", "drift")
         )
-        ratio = est / truth
-        positive = (est > 0) & (truth > 0)
         out[space] = {
             "truth_median": float(np.median(truth)),
             "floor_median": float(np.median(floor)),
@@ -321,10 +491,7 @@ def summarise(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
             "settle_over_truth_max": float(np.max(settle / truth)),
             "truth_over_floor": median_ratio(truth, floor),
             "above_floor": float((truth > floor).mean()),
-            "ratio_median": float(np.median(ratio)),
-            "ratio_quartiles": [float(q) for q in np.quantile(ratio, [0.25, 0.75])],
-            "spearman": spearman(est, truth),
-            "pearson_log": pearson(np.log(est[positive]), np.log(truth[positive])),
+            **against(est, truth),
             "spearman_baselines": {
                 name: spearman(estimates[name][idx].double().numpy(), truth)
                 for name in BASELINES
@@ -406,15 +573,18 @@ def figure(estimates: dict[str, Any], rows: list[dict[str, Any]], path: Path, ti
 
 
 # ------------------------------------------------------------------ one run
-def estimates_of(run: Any, seed: int) -> dict[str, Any]:
-    """The memory-map estimates of the training set (Jacobian form): the scores of both
-    spaces, the estimated change of the logits as a vector (``moved``), and the rankings
-    without the estimate: the residual ‖eᵢ‖₁, the total variance tr Vᵢ and the loss at the
-    mean (``residual``, ``variance``, ``loss``)."""
+def estimates_of(run: Any, posterior: lgb.Posterior | None = None) -> dict[str, Any]:
+    """The memory-map estimates of the training set (Jacobian form) under ``posterior``
+    (default: the trained one; τ the run's): the scores of both spaces, the estimated change
+    of the logits as a vector (``moved``), and the rankings without the estimate: the
+    residual ‖eᵢ‖₁, the total variance tr Vᵢ and the loss at the mean (``residual``,
+    ``variance``, ``loss``)."""
     x, y = train_inputs(run)
+    source = run.optimizer if posterior is None else posterior
+    tau = float(run.optimizer.param_groups[0]["temperature"])
     out: dict[str, Any] = {"labels": y.cpu()}
     for key in ("logits", "probabilities"):
-        mm = lgb.memory_map(run.model, run.optimizer, x, y, method="jacobian", change=key)
+        mm = lgb.memory_map(run.model, source, x, y, method="jacobian", change=key, temperature=tau)
         out[key] = mm.scores.cpu()
     out["moved"] = (mm.variances * mm.residuals).cpu()  # the estimated change v ⊙ e, [N, K]
     out["residual"] = mm.prediction_error.cpu()
@@ -431,21 +601,36 @@ def validate(table: dict[str, Any], cfg: dict[str, Any], folder: Path) -> dict[s
     if est_path.exists():
         est = runfiles.load_torch(est_path)
     else:
-        est = estimates_of(run, seed)
+        est = estimates_of(run)
         runfiles.save_torch(est_path, est)
     gen = torch.Generator().manual_seed(seed)
     examples = torch.randperm(len(est["labels"]), generator=gen)[: table["examples"]].tolist()
-    retrainer = ShiftRetrainer(run, table, seed)
+    retrainer = RETRAINERS[cfg["optimizer"]["name"]](run, table, seed)
     rows = retrain_all(retrainer, examples, folder / RETRAIN)
+    control = runfiles.load_torch(folder / CONTROL_MEAN)
+    at_control = estimates_of(run, retrainer.posterior(control))
+    runfiles.save_torch(folder / ESTIMATES_AT_CONTROL, at_control)
+    influence_path = folder / INFLUENCE
+    if influence_path.exists():
+        predicted = runfiles.load_torch(influence_path)
+    else:
+        predicted = memory_influence.predict(retrainer, control, examples)
+        runfiles.save_torch(influence_path, predicted)
     title = (
         f"{cfg['data']['name']}, {cfg['optimizer']['name']} rule, seed {seed}: "
         f"{len(examples)} random examples retrained to convergence"
     )
     figure(est, rows, folder / "converged.png", title)
+    c = changes(rows)
+    memory_influence.figure(
+        predicted, at_control["logits"], c, folder / "influence.png", f"{title}, at the control"
+    )
     summary = {
         "test": metrics_on_test(run, 64),
         "train_size": len(est["labels"]),
         **summarise(est, rows),
+        "at_control": at_control_summary(at_control, rows),
+        "influence": memory_influence.summarise(predicted, c),
     }
     runfiles.write_json(folder / SUMMARY, summary)
     return summary

@@ -184,6 +184,19 @@ def summarise_flips(flip_score: dict[str, Any], flips: dict[int, int]) -> dict[s
     return {"found": found, "flipped": k, "random": k * k / size}
 
 
+def against(est: np.ndarray, truth: np.ndarray) -> dict[str, Any]:
+    """The estimate against the truth: their median ratio and its quartiles, Spearman, and
+    Pearson of the logarithms (over the pairs both positive)."""
+    ratio = est / truth
+    positive = (est > 0) & (truth > 0)
+    return {
+        "ratio_median": float(np.median(ratio)),
+        "ratio_quartiles": [float(q) for q in np.quantile(ratio, [0.25, 0.75])],
+        "spearman": spearman(est, truth),
+        "pearson_log": pearson(np.log(est[positive]), np.log(truth[positive])),
+    }
+
+
 def aggregate(values: list[Any]) -> Any:
     """Per-seed summaries of one structure merged leaf by leaf: numbers (None: undefined)
     become ``{"mean", "sd", "values"}`` over the defined ones, other leaves are kept once if

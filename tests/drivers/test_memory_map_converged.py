@@ -19,9 +19,20 @@ from experiments import runfiles
 from experiments.memory_map import trained
 from tests.shared import digits_affine, tiny_config
 
+MULTIPLICATIVE = {
+    "optimizer": {
+        "name": "multiplicative",
+        "lr": 5.0,
+        "temperature": 0.01,
+        "prior_precision": 10.0,
+        "base": "rayleigh",
+    }
+}
 
-def tiny(**converged: Any) -> dict[str, Any]:
-    """An affine run on 3-class 1×8×8 synthetic images, 48 train."""
+
+def tiny(run: dict[str, Any] | None = None, **converged: Any) -> dict[str, Any]:
+    """An affine run (or ``run``, under the label ``m``) on 3-class 1×8×8 synthetic images,
+    48 train."""
     return tiny_config(
         data={"test_size": 8},
         model={"widths": [6]},
@@ -37,7 +48,7 @@ def tiny(**converged: Any) -> dict[str, Any]:
                 **converged,
             }
         },
-        runs={"affine": digits_affine()},
+        runs={"affine": digits_affine()} if run is None else {"m": run},
     )
 
 
@@ -46,6 +57,13 @@ def retrainer(tmp_path_factory) -> mc.ShiftRetrainer:
     configs, table = mc.resolve(tiny())
     run = trained(configs["affine"][0], tmp_path_factory.mktemp("run") / "train")
     return mc.ShiftRetrainer(run, table, 0)
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory) -> mc.ScaleRetrainer:
+    configs, table = mc.resolve(tiny(MULTIPLICATIVE, samples=8))
+    run = trained(configs["m"][0], tmp_path_factory.mktemp("run") / "train")
+    return mc.ScaleRetrainer(run, table, 0)
 
 
 def test_removing_an_example_takes_exactly_its_term_out_of_the_objective(retrainer):
@@ -89,11 +107,68 @@ def test_converged_retraining_moves_nothing_unless_an_example_is_removed(retrain
     assert float(truth[2]) == float(truth.max())  # its own prediction moves most
 
 
+def test_the_multiplicative_objective_is_the_rules_over_the_fixed_draws(scaled):
+    r = scaled
+    S, N = r.table["samples"], r.size
+    g = {n: log_g.exp() for n, log_g in r.start.items()}
+    thetas = [
+        {n: v[0] * r.noise[n][s, 0] - v[1] * r.noise[n][s, 1] for n, v in g.items()}
+        for s in range(S)
+    ]
+    with torch.no_grad():
+        nll = [
+            cross_entropy(torch.func.functional_call(r.model, t, (r.x,)), r.y, reduction="none")
+            for t in thetas
+        ]
+        square = sum(sum(float(v.square().sum()) for v in t.values()) for t in thetas) / S
+        entropy = sum(float(v.log().sum()) for v in g.values())
+        expected = float(torch.stack(nll).mean(0).sum()) / N
+        expected += 0.5 * r.delta * square / N - r.tau * entropy / N
+        torch.testing.assert_close(float(r.objective(r.start, None)), expected, rtol=1e-12, atol=0)
+        without = float(r.objective(r.start, torch.arange(N) != 5))
+    torch.testing.assert_close(
+        expected - without, float(torch.stack(nll)[:, 5].mean()) / N, rtol=1e-10, atol=1e-14
+    )
+    # the logits read are those at the posterior mean Eξ·(g⁺ − g⁻)
+    mean = {n: r.centre * (v[0] - v[1]) for n, v in g.items()}
+    torch.testing.assert_close(
+        r.logits(r.start, torch.arange(3)),
+        torch.func.functional_call(r.model, mean, (r.x[:3],)),
+        rtol=1e-12,
+        atol=0,
+    )
+
+
+def test_multiplicative_retraining_moves_nothing_unless_an_example_is_removed(scaled):
+    r = scaled
+    index = torch.arange(4)
+    control = r.retrain(None, index)
+    assert control["converged"] and control["objective"][-1] <= control["objective"][0]
+    again = r.retrain(None, index, r.last)
+    removed = r.retrain(1, index, r.last)
+    floor = (torch.tensor(again["logits"]) - torch.tensor(control["logits"])).abs().sum(-1)
+    truth = (torch.tensor(removed["logits"]) - torch.tensor(control["logits"])).abs().sum(-1)
+    assert float(floor.max()) < 1e-4
+    assert float(truth[1]) > 30 * float(floor.max())
+    assert float(truth[1]) == float(truth.max())
+
+
+@pytest.mark.parametrize("which", ["retrainer", "scaled"])
+def test_the_posterior_at_the_starting_parameters_is_the_trained_one(which, request):
+    r = request.getfixturevalue(which)
+    post = r.posterior(r.start)
+    assert list(post) == list(r.post) and post.point_estimate == r.post.point_estimate
+    for key, entry in r.post.items():
+        assert post[key].element.dtype == entry.element.dtype
+        torch.testing.assert_close(post[key].element, entry.element, rtol=1e-6, atol=1e-7)
+
+
 def test_the_command_writes_its_files_and_resumes_without_redoing_a_retraining(tmp_path):
     out = tmp_path / "conv"
     results = mc.converged(tiny(), out)
     seed = out / "affine" / "seed0"
-    for name in (mc.ESTIMATES, mc.RETRAIN, mc.SUMMARY, mc.CONTROL_MEAN):
+    written = (mc.ESTIMATES, mc.ESTIMATES_AT_CONTROL, mc.INFLUENCE, mc.RETRAIN, mc.SUMMARY)
+    for name in (*written, mc.CONTROL_MEAN, "influence.png"):
         assert (seed / name).exists(), name
     assert (seed / "converged.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = runfiles.read_json(out / "config.json")
@@ -103,6 +178,9 @@ def test_the_command_writes_its_files_and_resumes_without_redoing_a_retraining(t
     s = results["affine"]["per_seed"]["seed0"]
     assert s["examples"] == 2 and s["converged"] == 1.0
     assert s["f"]["above_floor"] == 1.0 and s["p"]["truth_over_floor"] > 10
+    # the estimate at the converged control differs from the one at the trained posterior
+    assert s["at_control"]["f"]["ratio_median"] != s["f"]["ratio_median"]
+    assert set(s["influence"]) >= {"newton", "full", "diagonal", "mean_field"}
     docs = runfiles.read_json(out / mc.DOCS_SUMMARY)
     assert docs["full_config"] == config and docs["labels"]["affine"]["seeds"] == [0]
     assert docs["labels"]["affine"]["metrics"]["f.ratio_median"]["values"] == [
@@ -121,8 +199,16 @@ def test_the_command_writes_its_files_and_resumes_without_redoing_a_retraining(t
         ({"memory": {"converged": {"rtol": 0}}}, "rtol"),
         ({"memory": {"converged": {"draws": 3}}}, "unknown key"),
         (
+            {"runs": {"m": {"optimizer": {"name": "additive", "lr": 5.0}}}},
+            "retrains name = 'affine'",
+        ),
+        (
             {"runs": {"m": {"optimizer": {"name": "multiplicative", "lr": 5.0}}}},
-            "needs name = 'affine'",
+            "prior_precision = 0: .* set prior_precision > 0",
+        ),
+        (
+            {"runs": {"m": {"optimizer": {**MULTIPLICATIVE["optimizer"], "signed": False}}}},
+            "signed = true",
         ),
     ],
 )

@@ -1,0 +1,84 @@
+"""The exact-Hessian predictions of leave-one-out (``experiments.memory_influence``) on a tiny
+affine run: the Hessian is autograd's, the Newton step predicts converged retraining, with
+the draws at the mean the Newton step is the memory-perturbation form with the Laplace
+covariance, and each simplification drops exactly its part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from experiments import memory_converged as mc
+from experiments import memory_influence as mi
+from experiments.memory_map import trained
+from tests.drivers.test_memory_map_converged import tiny
+
+
+@pytest.fixture(scope="module")
+def converged(tmp_path_factory):
+    """A tiny affine run's retrainer at its converged control."""
+    configs, table = mc.resolve(tiny())
+    run = trained(configs["affine"][0], tmp_path_factory.mktemp("run") / "train")
+    r = mc.ShiftRetrainer(run, table, 0)
+    r.retrain(None, torch.arange(2))
+    return r, r.last
+
+
+def test_the_hessian_is_autograds(converged):
+    r, control = converged
+    u, unflat = mi._flat(control)
+    expected = torch.autograd.functional.hessian(lambda v: r.objective(unflat(v), None), u)
+    torch.testing.assert_close(mi.hessian(r, control, block=7), expected, rtol=1e-10, atol=1e-12)
+
+
+def _minimise(objective, start: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    params = {n: v.detach().clone().requires_grad_(True) for n, v in start.items()}
+    opt = torch.optim.LBFGS(
+        list(params.values()),
+        max_iter=500,
+        history_size=50,
+        line_search_fn="strong_wolfe",
+        tolerance_grad=1e-13,
+        tolerance_change=1e-16,
+    )
+
+    def closure():
+        opt.zero_grad()
+        value = objective(params)
+        value.backward()
+        return value
+
+    opt.step(closure)
+    return {n: v.detach() for n, v in params.items()}
+
+
+def test_the_newton_step_is_the_first_order_change_of_the_minimiser(converged):
+    r, control = converged
+    examples, w = [3, 20], 1e-2
+    predicted = mi.predict(r, control, examples)
+    assert predicted["positive_definite"]
+    index = torch.tensor(examples)
+    before = r.logits(control, index)
+    for row, i in enumerate(examples):
+        # down-weight example i by w: the minimiser moves by w times the Newton step + O(w²)
+        def lighter(params, i=i):
+            return r.objective(params, None) - w * r.example_loss(params, i) / r.size
+
+        moved = (r.logits(_minimise(lighter, control), index)[row] - before[row]) / w
+        torch.testing.assert_close(predicted["newton"][row], moved, rtol=0.02, atol=1e-6)
+        # the memory map's simplifications give other numbers
+        assert not torch.allclose(predicted["mean_field"][row], moved, rtol=0.1)
+
+
+def test_with_the_draws_at_the_mean_the_newton_step_is_the_laplace_form(converged):
+    r, control = converged
+    at_mean = {n: torch.zeros_like(v) for n, v in r.noise.items()}
+    saved, r.noise = r.noise, at_mean
+    try:
+        predicted = mi.predict(r, control, [0, 7])
+    finally:
+        r.noise = saved
+    # ∇ℓ̄_i = J_iᵀ e_i when every draw is the mean: J (NH)⁻¹ Jᵀ e = J (NH)⁻¹ ∇ℓ_i
+    torch.testing.assert_close(predicted["full"], predicted["newton"], rtol=1e-8, atol=1e-12)
+    full, diagonal = predicted["full"], predicted["diagonal"]
+    assert not torch.allclose(full, diagonal, rtol=1e-3)  # the cross-class terms matter
