@@ -623,7 +623,12 @@ def validate(table: dict[str, Any], cfg: dict[str, Any], folder: Path) -> dict[s
     figure(est, rows, folder / "converged.png", title)
     c = changes(rows)
     memory_influence.figure(
-        predicted, at_control["logits"], c, folder / "influence.png", f"{title}, at the control"
+        predicted,
+        at_control["logits"],
+        c,
+        folder / "influence.png",
+        f"{cfg['data']['name']}, {cfg['optimizer']['name']} rule, seed {seed}: "
+        f"{len(examples)} removals predicted at the converged control",
     )
     summary = {
         "test": metrics_on_test(run, 64),

@@ -97,8 +97,13 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_the_drift_floor_is_zero_where_retraining_is_deterministic_and_at_rest",
         "test_the_map_of_a_finished_run_is_written_into_its_folder",
     ),
+    "tests/drivers/test_memory_influence.py": (
+        "test_the_hessian_is_autograds",
+        "test_the_newton_step_is_the_first_order_change_of_the_minimiser",
+    ),
     "tests/drivers/test_memory_map_converged.py": (
         "test_converged_retraining_moves_nothing_unless_an_example_is_removed",
+        "test_multiplicative_retraining_moves_nothing_unless_an_example_is_removed",
         "test_the_command_writes_its_files_and_resumes_without_redoing_a_retraining",
     ),
     "tests/drivers/test_memory_map_loo.py": (

@@ -1,7 +1,7 @@
-"""The exact-Hessian predictions of leave-one-out (``experiments.memory_influence``) on a tiny
-affine run: the Hessian is autograd's, the Newton step predicts converged retraining, with
-the draws at the mean the Newton step is the memory-perturbation form with the Laplace
-covariance, and each simplification drops exactly its part."""
+"""The exact-Hessian predictions of leave-one-out (``experiments.memory_influence``) on tiny
+affine and multiplicative runs: the Hessian is autograd's, the Newton step is the first-order
+change of the minimiser, and with every draw at the mean it is the memory-perturbation
+equation with the Laplace covariance."""
 
 from __future__ import annotations
 
@@ -11,17 +11,29 @@ import torch
 from experiments import memory_converged as mc
 from experiments import memory_influence as mi
 from experiments.memory_map import trained
-from tests.drivers.test_memory_map_converged import tiny
+from tests.drivers.test_memory_map_converged import MULTIPLICATIVE, tiny
+
+
+def _converged(raw, tmp_path):
+    configs, table = mc.resolve(raw)
+    (label,) = configs
+    cfg = configs[label][0]
+    run = trained(cfg, tmp_path / "train")
+    r = mc.RETRAINERS[cfg["optimizer"]["name"]](run, table, 0)
+    r.retrain(None, torch.arange(2))
+    return r, r.last
 
 
 @pytest.fixture(scope="module")
 def converged(tmp_path_factory):
     """A tiny affine run's retrainer at its converged control."""
-    configs, table = mc.resolve(tiny())
-    run = trained(configs["affine"][0], tmp_path_factory.mktemp("run") / "train")
-    r = mc.ShiftRetrainer(run, table, 0)
-    r.retrain(None, torch.arange(2))
-    return r, r.last
+    return _converged(tiny(), tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    """A tiny multiplicative run's retrainer at its converged control (log g±)."""
+    return _converged(tiny(MULTIPLICATIVE, samples=8), tmp_path_factory.mktemp("run"))
 
 
 def test_the_hessian_is_autograds(converged):
@@ -52,20 +64,26 @@ def _minimise(objective, start: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return {n: v.detach() for n, v in params.items()}
 
 
-def test_the_newton_step_is_the_first_order_change_of_the_minimiser(converged):
-    r, control = converged
+@pytest.mark.parametrize("which", ["converged", "scaled"])
+def test_the_newton_step_is_the_first_order_change_of_the_minimiser(which, request):
+    r, control = request.getfixturevalue(which)
     examples, w = [3, 20], 1e-2
     predicted = mi.predict(r, control, examples)
     assert predicted["positive_definite"]
     index = torch.tensor(examples)
-    before = r.logits(control, index)
     for row, i in enumerate(examples):
-        # down-weight example i by w: the minimiser moves by w times the Newton step + O(w²)
-        def lighter(params, i=i):
-            return r.objective(params, None) - w * r.example_loss(params, i) / r.size
+        # weigh example i by 1 ∓ w: the minimiser moves by ±w times the Newton step + O(w²);
+        # the central difference cancels the O(w²) and what the control's own convergence
+        # left (both retrainings start there)
+        def weighted(params, sign, i=i):
+            return r.objective(params, None) - sign * w * r.example_loss(params, i) / r.size
 
-        moved = (r.logits(_minimise(lighter, control), index)[row] - before[row]) / w
-        torch.testing.assert_close(predicted["newton"][row], moved, rtol=0.02, atol=1e-6)
+        lighter, heavier = (
+            r.logits(_minimise(lambda p, k=k: weighted(p, k), control), index)[row]
+            for k in (1.0, -1.0)
+        )
+        moved = (lighter - heavier) / (2 * w)
+        torch.testing.assert_close(predicted["newton"][row], moved, rtol=0.01, atol=1e-6)
         # the memory map's simplifications give other numbers
         assert not torch.allclose(predicted["mean_field"][row], moved, rtol=0.1)
 
