@@ -285,6 +285,7 @@ class ShiftRetrainer(Retrainer):
         self.mean: dict[str, Tensor] = {}
         self.noise: dict[str, Tensor] = {}  # name → [S, *shape]
         self.scale: dict[str, Tensor] = {}
+        self.centre: dict[str, float] = {}  # name → Eξ
         half = table["samples"] // 2
         for key, entry in self.post.items():
             if not isinstance(entry.group, DiagonalAffineGroup):
@@ -297,7 +298,7 @@ class ShiftRetrainer(Retrainer):
             xi = torch.cat([xi - centre, centre - xi])  # antithetic about Eξ
             self.mean[name] = b + A * centre
             self.noise[name] = A * xi
-            self.scale[name], self.centre = A, centre
+            self.scale[name], self.centre[name] = A, centre
         self.start = self.mean
 
     def draws(self, mean: dict[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -316,7 +317,7 @@ class ShiftRetrainer(Retrainer):
     def posterior(self, mean: dict[str, Tensor]) -> lgb.Posterior:
         """(A, b) with b = m − A·Eξ."""
         return self._with(
-            {n: torch.stack([A, mean[n] - A * self.centre]) for n, A in self.scale.items()}
+            {n: torch.stack([A, mean[n] - A * self.centre[n]]) for n, A in self.scale.items()}
         )
 
 
@@ -335,6 +336,7 @@ class ScaleRetrainer(Retrainer):
         super().__init__(run, table, seed)
         self.start = {}
         self.noise: dict[str, Tensor] = {}  # name → [S, 2, *shape]
+        self.centre: dict[str, float] = {}  # name → Eξ
         for key, entry in self.post.items():
             group = entry.group
             if not isinstance(group, lgb.groups.MultiplicativeGroup) or not group.signed:
@@ -344,7 +346,7 @@ class ScaleRetrainer(Retrainer):
             xi = torch.empty((table["samples"], *g.shape), dtype=torch.float64)
             lgb.distributions.sample_into(entry.base, xi, self.generator)
             self.start[name], self.noise[name] = g.log(), xi
-            self.centre = float(entry.base.mean)
+            self.centre[name] = float(entry.base.mean)
 
     def draws(self, log_scale: dict[str, Tensor]) -> list[dict[str, Tensor]]:
         """θ_s = g⁺ξ⁺_s − g⁻ξ⁻_s, g = exp(``log_scale``)."""
@@ -364,7 +366,7 @@ class ScaleRetrainer(Retrainer):
 
     def point(self, log_scale: dict[str, Tensor]) -> dict[str, Tensor]:
         """Eξ·(g⁺ − g⁻)."""
-        return {n: self.centre * (g[0].exp() - g[1].exp()) for n, g in log_scale.items()}
+        return {n: self.centre[n] * (g[0].exp() - g[1].exp()) for n, g in log_scale.items()}
 
     def posterior(self, log_scale: dict[str, Tensor]) -> lgb.Posterior:
         return self._with({n: log_g.exp() for n, log_g in log_scale.items()})
@@ -445,11 +447,10 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return torch.from_numpy(logits).softmax(-1).numpy()
 
 
-def at_control_summary(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def at_control_summary(estimates: dict[str, Any], c: dict[str, Any]) -> dict[str, Any]:
     """Per space, :func:`against` for the estimates computed at the converged control (the
     stationary point the memory-perturbation equation assumes) rather than at the trained
-    posterior."""
-    c = changes(rows)
+    posterior; ``c`` the true changes (:func:`changes`)."""
     idx = c["examples"]
     return {
         space: against(estimates[key][idx].double().numpy(), c[f"truth_{space}"])
@@ -634,7 +635,7 @@ def validate(table: dict[str, Any], cfg: dict[str, Any], folder: Path) -> dict[s
         "test": metrics_on_test(run, 64),
         "train_size": len(est["labels"]),
         **summarise(est, rows),
-        "at_control": at_control_summary(at_control, rows),
+        "at_control": at_control_summary(at_control, c),
         "influence": memory_influence.summarise(predicted, c),
     }
     runfiles.write_json(folder / SUMMARY, summary)

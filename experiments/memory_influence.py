@@ -105,12 +105,17 @@ def predict(retrainer: Any, params: dict[str, Tensor], examples: list[int]) -> d
     }
 
 
+def _order(predicted: dict[str, Any], changes: dict[str, Any]) -> list[int]:
+    """The rows of ``predicted`` in the order of the examples of ``changes``."""
+    return [predicted["examples"].index(int(i)) for i in changes["examples"]]
+
+
 def summarise(predicted: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """Per form, the L1 size of the prediction against the true change of the logits
     (``changes`` as :func:`experiments.memory_converged.changes` gives them): median ratio
     and quartiles, Spearman, Pearson of the logs, and the median cosine with the true
     change."""
-    at = [predicted["examples"].index(int(i)) for i in changes["examples"]]
+    at = _order(predicted, changes)
     truth, signed = changes["truth_f"], changes["signed"]
     out: dict[str, Any] = {
         key: predicted[key] for key in ("positive_definite", "diagonal_not_positive", "seconds")
@@ -144,7 +149,7 @@ def figure(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    at = [predicted["examples"].index(int(i)) for i in changes["examples"]]
+    at = _order(predicted, changes)
     truth = changes["truth_f"]
     fig, ax = plt.subplots(figsize=(6.4, 5.2))
     sizes = {form: np.abs(predicted[form][at].double().numpy()).sum(1) for form in FORMS}

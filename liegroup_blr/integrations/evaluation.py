@@ -5,7 +5,7 @@ samples, or (between_steps="sample") the training sample."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -39,21 +39,22 @@ def blr_optimizers(optimizers: Iterable[Any]) -> list[BLROptimizer]:
 
 
 @contextmanager
-def point(optimizers: Iterable[BLROptimizer]) -> Iterator[None]:
+def _each(holds: Iterable[AbstractContextManager[Any]]) -> Iterator[None]:
+    """Enter every context of ``holds``, in order, for the block."""
+    with ExitStack() as stack:
+        for hold in holds:
+            stack.enter_context(hold)
+        yield
+
+
+def point(optimizers: Iterable[BLROptimizer]) -> AbstractContextManager[None]:
     """Hold every optimizer's point estimate in its parameters for the block."""
-    with ExitStack() as stack:
-        for optimizer in optimizers:
-            stack.enter_context(optimizer.point_estimate())
-        yield
+    return _each(optimizer.point_estimate() for optimizer in optimizers)
 
 
-@contextmanager
-def _sample(optimizers: Iterable[BLROptimizer]) -> Iterator[None]:
+def _sample(optimizers: Iterable[BLROptimizer]) -> AbstractContextManager[None]:
     """Hold one posterior sample of every optimizer in its parameters for the block."""
-    with ExitStack() as stack:
-        for optimizer in optimizers:
-            stack.enter_context(optimizer.sampled_params())
-        yield
+    return _each(optimizer.sampled_params() for optimizer in optimizers)
 
 
 def averaged(

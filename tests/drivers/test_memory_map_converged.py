@@ -130,7 +130,7 @@ def test_the_multiplicative_objective_is_the_rules_over_the_fixed_draws(scaled):
         expected - without, float(torch.stack(nll)[:, 5].mean()) / N, rtol=1e-10, atol=1e-14
     )
     # the logits read are those at the posterior mean Eξ·(g⁺ − g⁻)
-    mean = {n: r.centre * (v[0] - v[1]) for n, v in g.items()}
+    mean = {n: r.centre[n] * (v[0] - v[1]) for n, v in g.items()}
     torch.testing.assert_close(
         r.logits(r.start, torch.arange(3)),
         torch.func.functional_call(r.model, mean, (r.x[:3],)),
