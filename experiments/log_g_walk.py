@@ -107,6 +107,7 @@ def _optimizer(
         seed=seed,
         noise=sources[noise](),
         init="auto",  # the reference initialisation: rewrites the weights on purpose
+        max_consecutive_skips=None,  # the walk runs on through skips: what it shows
     )
 
 

@@ -86,7 +86,7 @@ class BLROptimizer(Optimizer):
         compile: bool = False,
         process_group: Any = None,
         grad_scaler: torch.amp.GradScaler | None = None,
-        max_consecutive_skips: int | None = None,
+        max_consecutive_skips: int | None = 20,
         prior: Posterior | None = None,
     ) -> None:
         if not isinstance(rule, Rule) or not isinstance(rule.lie_group, LieGroup):
@@ -167,7 +167,9 @@ class BLROptimizer(Optimizer):
 
     @property
     def max_consecutive_skips(self) -> int | None:
-        """Skipped steps in a row after which a step raises (``None``: never)."""
+        """Skipped steps in a row after which a step raises ``FloatingPointError`` (default
+        20; ``None``: never). Only the first skipped step warns; later ones are counted in
+        :attr:`skipped_steps`."""
         return self._engine.max_consecutive_skips
 
     # ----------------------------------------------------------- param groups
@@ -387,8 +389,12 @@ class BLROptimizer(Optimizer):
             the closure's value, as it returned it (with ``mc_samples > 1``: the mean of its
             values at the samples taken; ``None`` without a closure).
 
-        A non-finite loss or algebra gradient skips the update with a ``RuntimeWarning``:
-        group elements and momenta are left exactly as they were (``skipped_steps`` counts).
+        A non-finite loss, algebra gradient or updated element skips the update: group
+        elements and momenta are left exactly as they were (``skipped_steps`` counts). The
+        first skip warns (``RuntimeWarning``) naming what was not finite and where; after
+        ``max_consecutive_skips`` skips in a row (default 20) the step raises
+        ``FloatingPointError`` naming the likely fix, the parameters holding what they hold
+        between steps.
         An exception in the closure abandons the step: nothing is accumulated and the
         parameters hold the point estimate again (a fresh sample in sample mode). Driven
         by ``GradScaler.step(optimizer)``, a step whose gradients hold an inf is skipped
@@ -410,8 +416,10 @@ class BLROptimizer(Optimizer):
         finite = not isinstance(loss, (Tensor, float)) or bool(
             torch.as_tensor(loss).isfinite().all()
         )
-        engine.update(finite and not found_inf, inv_scale)
+        error = engine.update(finite, inv_scale, found_inf)
         self._writes.mark()
+        if error is not None:
+            raise error
         return loss
 
     # ------------------------------------------------------------ elements
@@ -460,7 +468,9 @@ class BLROptimizer(Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Updates skipped for non-finite values since construction (or the loaded state's)."""
+        """Updates skipped for non-finite values since construction (or the loaded state's):
+        every skip, warned of (the first) or not (the later ones, and those a ``GradScaler``
+        calibrating its scale expects)."""
         return self._engine.status.skipped
 
     # ------------------------------------------------------- posterior and prior

@@ -7,7 +7,8 @@ One step of every rule is the same loop; only the arithmetic differs per rule::
         accumulate(sample, defer=True)                acc += ∇_X ℓ̄(θ_s(X))|_{X=0}
     propose  M' = β M + (1 − β) P(acc/S + c)            (in the accumulator)
     if M' is finite:  commit  M ← M',  g ← g·exp(−α M'),  θ ← what the parameters hold
-    else:             skip (state unchanged, RuntimeWarning)
+    else:             skip (state unchanged; the first skip warns, max_consecutive_skips in a
+                            row raise FloatingPointError)
 
 with c the part of the algebra gradient that is not the loss's — the entropy's −(τ/N)∇log|det J|
 or a prior's (τ/N)∇KL — which the engine computes once per param group and hands to the rule;
@@ -75,7 +76,7 @@ class Engine:
         compile: whether updates run compiled.
         process_group: summed accumulators over these processes, if given.
         grad_scaler: a ``torch.amp.GradScaler`` whose scale the samples carry, if given.
-        max_consecutive_skips: raise after this many skipped steps in a row.
+        max_consecutive_skips: raise after this many skipped steps in a row (``None``: never).
     """
 
     def __init__(
@@ -438,10 +439,16 @@ class Engine:
             self.entropies[key] = grad
         return grad
 
-    def update(self, finite: bool, inv_scale: float) -> None:
+    def update(
+        self, loss_finite: bool, inv_scale: float, found_inf: bool = False
+    ) -> FloatingPointError | None:
         """Propose every param group's update from the pending samples, check, and commit
         all of them or skip; then the parameters hold what the holding wants between steps
-        (the point estimates, or the next sample)."""
+        (the point estimates, or the next sample). ``loss_finite``: whether the step's loss
+        is finite; ``found_inf``: whether a ``GradScaler.step`` driving it found an inf.
+        Returns the error to raise once the step is over, after ``max_consecutive_skips``
+        skips in a row."""
+        finite = loss_finite and not found_inf
         status, groups, state = self.status, self.optimizer.param_groups, self.optimizer.state
         work: list[tuple[int, dict[str, Any], GroupTensors]] = []  # parameters with samples
         for index, t in status.tensors.items():
@@ -499,6 +506,7 @@ class Engine:
         )
         if self.shards.mesh_param is not None:  # the shards' ranks take or skip it together
             moved = self.shards.agree(moved)
+        error = None
         if moved:
             for (_, _, t), proposal in zip(work, proposals, strict=True):
                 states = [state[p] for p in t.keys]  # the new momenta take the old ones' place
@@ -510,7 +518,9 @@ class Engine:
             status.consecutive = 0
         elif work:  # a skip a GradScaler calibrating its scale expects is not warned of
             expected = expected_skip(self.optimizer)
-            status.skip(self.name, expected, self.max_consecutive_skips)
+            what = partial(self.non_finite, loss_finite, found_inf, finite, work, proposals)
+            limit = self.max_consecutive_skips
+            error = status.skip(self.name, expected, limit, what, self.skip_fix())
         if self.grad_scaler is not None:
             record_finite(self.grad_scaler, moved or not work)
         status.samples = 0  # end_step(), inline: a step's calls are few
@@ -520,6 +530,61 @@ class Engine:
         unmoved = len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work)
         done = [t for _, _, t in work] if moved else []
         self.holding.after_update(self, drawn, done if unmoved else None, fused and moved)
+        return error
+
+    def non_finite(
+        self,
+        loss_finite: bool,
+        found_inf: bool,
+        finite: bool,
+        work: list[tuple[int, dict[str, Any], GroupTensors]],
+        proposals: list[Proposal],
+    ) -> str:
+        """What was not finite in a skipped step (for its warning or error): the loss, a
+        gradient (an inf a GradScaler found, or a new momentum: the algebra gradient of the
+        loss and the prior), an updated element (or one that is not in its group, a rule's
+        proposal refused), or a value on another process (``finite``: after the processes'
+        verdicts) or another shard's rank."""
+        if not loss_finite:
+            return "loss"
+        if found_inf:
+            return "gradient (the GradScaler found an inf)"
+        if not finite:
+            return "loss or gradient on another process"
+        for (index, _, t), proposal in zip(work, proposals, strict=False):
+            count = len(t.keys)
+            for i, checked in enumerate(proposal.checked):
+                if not bool(checked.isfinite().all()):
+                    kind = "gradient" if i < count else "updated element"
+                    return f"{kind} of {self.param_name(index, t.keys[i % count])}"
+        if len(proposals) < len(work):  # the rule refused the next group's proposal
+            index, _, t = work[len(proposals)]
+            for p, acc in zip(t.keys, t.accs, strict=True):
+                if not bool(acc.isfinite().all()):
+                    return f"gradient of {self.param_name(index, p)}"
+            names = ", ".join(self.param_name(index, p) for p in t.keys)
+            return f"updated element (or one not in its group) of {names}"
+        return "value on another rank of the sharded parameters"
+
+    def param_name(self, index: int, p: Tensor) -> str:
+        """``p`` as a message names it: by the name the optimizer was given
+        (``named_parameters()``), else by its position in param group ``index``."""
+        group = self.optimizer.param_groups[index]
+        position = next(i for i, q in enumerate(group["params"]) if q is p)
+        names = group.get("param_names")
+        if names is not None and position < len(names):
+            return f"parameter {names[position]!r}"
+        return f"parameter {position} of param group {index}"
+
+    def skip_fix(self) -> str:
+        """The likely fixes of a diverged run, as its error names them."""
+        scale = any("scale_lr" in group for group in self.optimizer.param_groups)
+        rates = "lr or the scale's step (scale_lr)" if scale else "lr"
+        return (
+            f"Lower {rates}, or widen the prior: one much narrower than the data allows (a "
+            "large prior_precision, or a posterior from next_task/set_prior: lower its "
+            "strength) makes the updates overflow"
+        )
 
     def next_noise(
         self, index: int, group: dict[str, Any], t: GroupTensors, current: list[Tensor]

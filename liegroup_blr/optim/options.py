@@ -44,7 +44,16 @@ class EngineOptions(TypedDict, total=False):
             use: each sample's gradients are unscaled before they are accumulated, and each
             step's inf check is recorded for ``scaler.update()``.
         max_consecutive_skips: raise ``FloatingPointError`` after this many consecutive
-            skipped steps (default: never; every skip warns).
+            skipped steps (default 20; ``None``: never), naming what was not finite and the
+            likely fix (a lower ``lr`` or scale step ``scale_lr``, a wider prior). A step is
+            skipped, the optimizer state unchanged, when the loss, a gradient or an updated
+            element is not finite: the first skip warns once (a ``RuntimeWarning`` at the
+            calling line) naming which, and for which parameter (its name when the optimizer
+            was given ``named_parameters()``, else its position in its param group); later
+            skips are only counted, in
+            :attr:`~liegroup_blr.optim.BLROptimizer.skipped_steps`. Skips a
+            ``GradScaler`` calibrating its scale expects are counted, never warned of, and do
+            not count as in a row.
         prior: a :class:`~liegroup_blr.Posterior` used as the prior: the update takes
             (τ/N)·∇KL(q ‖ prior) in place of the N(0, 1/δ) prior and the entropy term
             (:meth:`~liegroup_blr.optim.BLROptimizer.set_prior`).
@@ -80,7 +89,8 @@ class EngineState:
         samples: samples accumulated since the last update.
         block: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
         skipped: updates skipped for non-finite values, in all.
-        consecutive: updates skipped in a row.
+        consecutive: updates skipped in a row (not counting those a GradScaler expects).
+        skip_warned: whether a skipped step has been warned of (only the first is).
         pending: parameters with accumulated samples (a set, ordered).
         deferred: the deferred sample of each param group, by its index.
         tensors: each param group's tensors, gathered once per step (by index).
@@ -98,6 +108,7 @@ class EngineState:
     block: str = ""
     skipped: int = 0
     consecutive: int = 0
+    skip_warned: bool = False
     pending: dict[Tensor, None] = field(default_factory=dict)
     deferred: dict[int, Deferred] = field(default_factory=dict)
     tensors: dict[int, GroupTensors] = field(default_factory=dict)
@@ -111,22 +122,34 @@ class EngineState:
         """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""
         return {**self.__dict__, "marks": {}}
 
-    def skip(self, name: str, expected: bool, limit: int | None) -> None:
-        """Count a step of optimizer ``name`` skipped for non-finite values; unless the skip
-        was ``expected`` (a GradScaler calibrating its scale), warn, and raise after ``limit``
-        in a row (``max_consecutive_skips``)."""
+    def skip(
+        self, name: str, expected: bool, limit: int | None, what: Callable[[], str], fix: str
+    ) -> FloatingPointError | None:
+        """Count a step of optimizer ``name`` skipped for non-finite values. Unless the skip
+        was ``expected`` (a GradScaler calibrating its scale): warn of the first skip only,
+        saying ``what()`` was not finite (asked only when said), and return the error to raise
+        once ``limit`` steps in a row were skipped (``max_consecutive_skips``), with ``fix``."""
         self.skipped += 1
         if expected:
-            return
+            return None
         self.consecutive += 1
         row = self.consecutive
-        warn(
-            f"{name}: non-finite loss, gradient or element; step skipped, optimizer state "
-            f"unchanged ({row} in a row, {self.skipped} in all)",
+        escalate = limit is not None and row >= limit
+        if self.skip_warned and not escalate:
+            return None
+        said, self.skip_warned = what(), True
+        if escalate:
+            return FloatingPointError(
+                f"{name}: {row} steps in a row skipped for non-finite values "
+                f"(max_consecutive_skips={limit}; {self.skipped} skipped in all), the last for "
+                f"a non-finite {said}: the run has diverged. {fix}; "
+                "max_consecutive_skips=None never raises"
+            )
+        then = "" if limit is None else f"; {limit} in a row raise FloatingPointError"
+        warn(  # the first skip: the later ones return above
+            f"{name}: non-finite {said}; step skipped, optimizer state unchanged. Later "
+            f"skipped steps are counted in skipped_steps without a warning{then} "
+            "(max_consecutive_skips)",
             RuntimeWarning,
         )
-        if limit is not None and row >= limit:
-            raise FloatingPointError(
-                f"{name}: {row} consecutive steps skipped for non-finite values "
-                "(max_consecutive_skips): the run has diverged; lower the learning rate"
-            )
+        return None
