@@ -451,9 +451,9 @@ def _remember(learner: Learner, t: int) -> None:
     head = Head(learner.model, columns)
     learner.memory.add_task(
         head,
-        learner.optimizer if learner.strategy == "posterior" else None,
-        task.train_x,
-        labels,
+        posterior=learner.optimizer if learner.strategy == "posterior" else None,
+        inputs=task.train_x,
+        targets=labels,
         generator=generator,
     )
 

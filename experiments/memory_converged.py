@@ -218,7 +218,13 @@ class Retrainer:
             k: dataclasses.replace(e, element=elements[self.names[k]].to(self.dtype))
             for k, e in self.post.items()
         }
-        return lgb.Posterior(entries, point_estimate=self.post.point_estimate)
+        post = self.post
+        return lgb.Posterior(
+            entries,
+            point_estimate=post.point_estimate,
+            temperature=post.temperature,
+            data_size=post.data_size,
+        )
 
     def retrain(
         self, removed: int | None, index: Tensor, start: dict[str, Tensor] | None = None

@@ -75,9 +75,15 @@ __all__ = ["LIKELIHOODS", "SELECTIONS", "USES", "MemorablePast"]
 SELECTIONS = ("lambda", "random", "sensitivity")
 """How :meth:`~liegroup_blr.MemorablePast.add_task` chooses a task's examples: ``"lambda"``
 (FROMP's memorable points: the highest :math:`\\lambda_i = \\sum_k p_{ik}(1 - p_{ik})` at the
-model's outputs, class-balanced; categorical only), ``"random"`` (uniformly, without
-replacement: the control) or ``"sensitivity"`` (the highest
-:func:`~liegroup_blr.memory.sensitivity` scores; needs a posterior)."""
+model's outputs, class-balanced; categorical only, the categorical default), ``"random"``
+(uniformly, without replacement: the control, and the Gaussian default) or
+``"sensitivity"`` (the highest :func:`~liegroup_blr.memory.sensitivity` scores; needs a
+posterior)."""
+
+_DEFAULT_SELECTIONS = {"categorical": "lambda", "gaussian": "random"}
+"""The selection of each likelihood when none is given. A Gaussian likelihood's λ analogue,
+the curvature of the loss in the outputs, is :math:`1/\\sigma^2` for every example: it ranks
+nothing, so the Gaussian default is a uniform draw."""
 
 USES = ("kprior", "fromp", "replay")
 """The memory's term :math:`r_j` in :meth:`~liegroup_blr.MemorablePast.loss`: ``"kprior"``
@@ -117,7 +123,7 @@ class MemorablePast:
                     return loss
 
                 optimizer.step(closure)
-            memory.add_task(model, optimizer, x, y)
+            memory.add_task(model, posterior=optimizer, inputs=x, targets=y)
 
     ``"kprior"`` and ``"replay"`` need only the point estimate (``posterior=None``: an Adam or
     EWC baseline can use them); ``"fromp"`` and the ``"sensitivity"`` selection need a
@@ -125,13 +131,17 @@ class MemorablePast:
 
     Args:
         per_task: examples kept of each task (at most its training set).
-        selection: one of :data:`~liegroup_blr.memorable.SELECTIONS`.
+        selection: one of :data:`~liegroup_blr.memorable.SELECTIONS`; by default the
+            likelihood's: ``"lambda"`` for a categorical likelihood, ``"random"`` for a
+            Gaussian one, whose λ analogue (the loss's curvature in the outputs,
+            :math:`1/\sigma^2`) is the same for every example and ranks nothing.
         use: one of ``USES``: ``"kprior"``, ``"fromp"`` or ``"replay"`` (module docstring).
         likelihood: ``"categorical"`` (outputs are logits, labels integers) or
             ``"gaussian"`` (outputs are the predicted mean, targets values).
         noise_variance: σ² of the Gaussian likelihood.
 
     Attributes:
+        selection: the selection in use (the likelihood's default resolved).
         inputs: ``[M, ...]`` the kept inputs, task after task.
         targets: ``[M]`` their labels (or ``[M, ...]`` values of a Gaussian likelihood).
         tasks: ``[M]`` the index of the task each came from (0 for the first added).
@@ -144,13 +154,13 @@ class MemorablePast:
     Raises:
         ValueError: naming the argument, for ``per_task`` < 1, an unknown selection, use or
             likelihood, a noise variance ≤ 0 or given to a categorical likelihood, or
-            ``"lambda"`` with a Gaussian likelihood.
+            ``selection="lambda"`` with a Gaussian likelihood.
     """
 
     def __init__(
         self,
         per_task: int,
-        selection: str = "lambda",
+        selection: str | None = None,
         use: str = "kprior",
         *,
         likelihood: str = "categorical",
@@ -158,11 +168,11 @@ class MemorablePast:
     ) -> None:
         if isinstance(per_task, bool) or not isinstance(per_task, int) or per_task < 1:
             raise ValueError(f"per_task: must be an integer >= 1, got {per_task!r}")
-        for name, value, valid in (
-            ("selection", selection, SELECTIONS),
-            ("use", use, USES),
-            ("likelihood", likelihood, LIKELIHOODS),
-        ):
+        if likelihood not in LIKELIHOODS:
+            raise ValueError(f"likelihood: must be one of {LIKELIHOODS}, got {likelihood!r}")
+        if selection is None:
+            selection = _DEFAULT_SELECTIONS[likelihood]
+        for name, value, valid in (("selection", selection, SELECTIONS), ("use", use, USES)):
             if value not in valid:
                 raise ValueError(f"{name}: must be one of {valid}, got {value!r}")
         if isinstance(noise_variance, bool) or not noise_variance > 0:
@@ -171,8 +181,8 @@ class MemorablePast:
             raise ValueError("noise_variance: only the Gaussian likelihood has one")
         if likelihood == "gaussian" and selection == "lambda":
             raise ValueError(
-                "selection: 'lambda' ranks by the softmax's p(1 - p), constant for a Gaussian "
-                "likelihood; use selection='random'"
+                "selection: 'lambda' ranks by the softmax's p(1 - p), whose Gaussian analogue "
+                "1/σ² is the same for every example; use selection='random' (its default)"
             )
         self.per_task = per_task
         self.selection = selection
@@ -197,13 +207,14 @@ class MemorablePast:
     def add_task(
         self,
         model: nn.Module,
+        *positional: Any,
         posterior: Posterior | Any = None,
         inputs: Tensor | None = None,
         targets: Tensor | None = None,
-        *,
         samples: int = 32,
         batch_size: int = 256,
         generator: torch.Generator | None = None,
+        temperature: float | None = None,
     ) -> Tensor:
         r"""Keep ``per_task`` examples of a finished task with the model's outputs on them.
 
@@ -221,12 +232,17 @@ class MemorablePast:
         :math:`10^{-6}` times the mean of the kept examples' prediction variances times
         the identity.
 
+        Everything after ``model`` is keyword-only::
+
+            memory.add_task(model, posterior=optimizer, inputs=x, targets=y)
+
         Args:
             model: the network, its outputs the logits of the task's classes or the
                 predicted mean (a multi-head network: a module giving this task's head).
             posterior: a :class:`~liegroup_blr.Posterior` of ``model``'s parameters, the
                 Lie-group BLR optimizer that trained them, or None (``"kprior"`` and
-                ``"replay"`` with the ``"lambda"`` or ``"random"`` selection).
+                ``"replay"`` with the ``"lambda"`` or ``"random"`` selection). A Posterior's
+                recorded temperature is read as the optimizer's: the same scores and kernel.
             inputs: ``[n, ...]`` the task's training inputs.
             targets: ``[n]`` their labels in ``[0, K)`` (Gaussian: ``[n]`` or ``[n, K]``
                 values).
@@ -235,14 +251,24 @@ class MemorablePast:
             batch_size: examples per batch through the model.
             generator: draws the posterior samples or the random choice (default: torch's
                 global generator).
+            temperature: τ the posterior was trained at, for the sensitivity scores and the
+                kernel (:func:`~liegroup_blr.memory.memory_map`'s ``temperature``); default:
+                the one the optimizer or the Posterior holds.
 
         Returns:
             The indices of the kept examples in ``inputs``.
 
         Raises:
+            TypeError: in one line, for arguments after ``model`` passed by position.
             ValueError: in one line, for missing inputs or targets, targets that do not fit,
                 or ``posterior=None`` where the selection or the use needs one.
         """
+        if positional:
+            raise TypeError(
+                f"add_task: takes the model, then keywords; got {len(positional)} more "
+                "argument(s) by position; write add_task(model, posterior=..., inputs=x, "
+                "targets=y)"
+            )
         if inputs is None or targets is None:
             raise ValueError("inputs, targets: pass the finished task's training examples")
         if len(inputs) == 0:
@@ -278,6 +304,7 @@ class MemorablePast:
                 samples=samples,
                 batch_size=batch_size,
                 generator=generator,
+                temperature=temperature,
                 likelihood=self.likelihood,
                 noise_variance=self.noise_variance,
             )
@@ -298,7 +325,7 @@ class MemorablePast:
         }
         if self.use == "fromp":
             new["kernel_inverse"] = self._kernel_inverse(
-                model, posterior, chosen, samples, batch_size, generator, outputs
+                model, posterior, chosen, samples, batch_size, generator, outputs, temperature
             ).to(inputs.device)
         if len(self) and new["outputs_old"].shape[1:] != self.outputs_old.shape[1:]:
             raise ValueError(
@@ -350,6 +377,7 @@ class MemorablePast:
         batch_size: int,
         generator: torch.Generator | None,
         outputs: Tensor,
+        temperature: float | None,
     ) -> Tensor:
         """``[m, K, K]`` the inverses of the kept examples' kernel blocks plus the jitter."""
         V = prediction_variance(
@@ -359,6 +387,7 @@ class MemorablePast:
             samples=samples,
             batch_size=batch_size,
             generator=generator,
+            temperature=temperature,
             cross_class=True,
         ).double()
         V = (V + V.mT) / 2

@@ -213,9 +213,10 @@ def memory_map(
         generator: draws the samples (default: a generator seeded from torch's global one,
             so ``torch.manual_seed`` makes the result reproducible).
         temperature: τ the posterior was trained at; the covariance is divided by it. Default:
-            the optimizer's when one is given, else 1 (a Posterior does not record τ: pass
-            it, e.g. 0.006 for the reference multiplicative rule). Rankings do not depend on
-            it, magnitudes do.
+            the one the optimizer's param groups hold, or the one the Posterior recorded
+            (:attr:`Posterior.temperature <liegroup_blr.Posterior.temperature>`: the same
+            value, also after a save and load). Given, it wins. Rankings do not depend on it,
+            magnitudes do.
         method: ``"jacobian"``, ``"samples"`` or ``"auto"``: the Jacobian form where every
             entry is additive or diagonal affine with a finite-variance base, else samples.
         cross_class: keep the cross-class terms: :math:`\|V_i e_i\|_1` (or
@@ -362,11 +363,11 @@ def loo_nll(
 
 # ------------------------------------------------------------------- arguments
 def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tuple[Posterior, float]:
-    """The posterior and τ: a Posterior as it is (τ = ``temperature`` or 1), an optimizer read
-    with ``Posterior.from_optimizer`` (τ = its param groups' unless given)."""
-    tau: float | None
+    """The posterior and τ: a Posterior as it is, an optimizer read with
+    ``Posterior.from_optimizer``; τ = ``temperature`` if given, else the one the posterior
+    records (the optimizer's param groups')."""
     if isinstance(source, Posterior):
-        post, tau = source, 1.0 if temperature is None else temperature
+        post = source
     else:
         optimizer = holder(source)
         if optimizer is None:
@@ -374,15 +375,13 @@ def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tupl
                 f"posterior: expected a liegroup_blr.Posterior or a Lie-group BLR optimizer, got "
                 f"{type(source).__name__} (a deterministic optimizer has no posterior)"
             )
-        post, tau = Posterior.from_optimizer(optimizer, model), temperature
-        if tau is None:
-            taus = {float(g["temperature"]) for g in optimizer.param_groups}
-            if len(taus) > 1:
-                raise ValueError(
-                    f"temperature: the optimizer's param groups have temperatures {sorted(taus)}; "
-                    "pass the one to divide the covariance by"
-                )
-            tau = taus.pop()
+        post = Posterior.from_optimizer(optimizer, model)
+    tau = post.temperature if temperature is None else temperature
+    if tau is None:
+        raise ValueError(
+            "temperature: the posterior's param groups were trained at different temperatures; "
+            "pass the one to divide the covariance by"
+        )
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
         raise ValueError(
             f"temperature: must be a number > 0, got {tau!r} (τ = 0 learns a point mass, which "

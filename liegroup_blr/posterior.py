@@ -2,7 +2,9 @@ r"""The posterior as an object: group elements detached from the optimizer that 
 
 A :class:`Posterior` holds, for every trained parameter, its group element :math:`g`, its Lie
 group and its base distribution :math:`q_0`, so :math:`q_g = g\cdot q_0` can be sampled,
-read as a point estimate, saved and loaded in a process that never saw the optimizer::
+read as a point estimate, saved and loaded in a process that never saw the optimizer. It
+records the temperature τ it was trained at (and the data size N), so the memory maps, the
+leave-one-out NLL and a memory's kernel read them from it as they do from the optimizer::
 
     post = lgb.Posterior.from_optimizer(optimizer, model)
     post.save("posterior.pt")
@@ -14,6 +16,8 @@ read as a point estimate, saved and loaded in a process that never saw the optim
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -89,6 +93,14 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
     (``len``, iteration over the keys, ``post[key]``), in the order of the optimizer's param
     groups. Keys are parameter names (``str``) or positions (``int``).
 
+    It records what its consumers need besides the elements: the temperature τ of the rule
+    that learned it (a rule at τ learns about τ times the posterior covariance, which
+    :func:`~liegroup_blr.sensitivity`, :func:`~liegroup_blr.loo_nll`,
+    :func:`~liegroup_blr.memory_map` and :meth:`~liegroup_blr.MemorablePast.add_task` divide
+    by) and the data size N it was trained at. The likelihood is not recorded: the optimizer
+    never sees it (the closure's loss is it), so those functions take it as an argument, from
+    a posterior as from an optimizer.
+
     Args:
         entries: the entries, by key.
         point_estimate: ``"g"`` (θ read at the group's reference point ξ₀) or ``"mean"``
@@ -96,12 +108,19 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         missing: keys of the optimizer's parameters that had no state (never trained).
         size: the number of positions of a posterior keyed by position (entries and
             missing ones): the length of ``model.parameters()`` it applies to.
+        temperature: τ ≥ 0 it was trained at (default 1, the optimizers' default); ``None``
+            where the optimizer's param groups had different temperatures (its consumers
+            then need ``temperature=``).
+        data_size: N > 0 it was trained at, or ``None`` (not known, or different per param
+            group).
 
     Attributes:
         point_estimate: ``"g"`` or ``"mean"``.
         missing: keys left out for want of optimizer state.
         size: positions of a posterior keyed by position, else ``None``.
         by_position: whether keys are positions.
+        temperature: τ, or ``None``.
+        data_size: N, or ``None``.
 
     Raises:
         ValueError: naming the argument, for an invalid convention or entry.
@@ -114,6 +133,8 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         point_estimate: str = "g",
         missing: Sequence[str | int] = (),
         size: int | None = None,
+        temperature: float | None = 1.0,
+        data_size: float | None = None,
     ) -> None:
         if point_estimate not in _POINT_ESTIMATES:
             raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
@@ -137,6 +158,8 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         self.point_estimate = point_estimate
         self.missing: list[str | int] = list(missing)
         self.size = size if self.by_position else None
+        self.temperature = _recorded("temperature", temperature, positive=False)
+        self.data_size = _recorded("data_size", data_size, positive=True)
 
     # ------------------------------------------------------------- mapping
     def __getitem__(self, key: str | int) -> PosteriorEntry:
@@ -152,6 +175,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         keyed = "position" if self.by_position else "name"
         head = (
             f"Posterior({len(self)} entries by {keyed}, point_estimate={self.point_estimate!r}"
+            + f", temperature={self.temperature!r}, data_size={self.data_size!r}"
             + (f", missing={self.missing}" if self.missing else "")
             + ")"
         )
@@ -192,7 +216,12 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         ``"mean"``): the point estimates (and what a posterior as prior means) change, the
         samples do not."""
         return Posterior(
-            self._entries, point_estimate=point_estimate, missing=self.missing, size=self.size
+            self._entries,
+            point_estimate=point_estimate,
+            missing=self.missing,
+            size=self.size,
+            temperature=self.temperature,
+            data_size=self.data_size,
         )
 
     def to(
@@ -207,17 +236,27 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
 
     def _like(self, entries: Mapping[str | int, PosteriorEntry]) -> Posterior:
         return Posterior(
-            entries, point_estimate=self.point_estimate, missing=self.missing, size=self.size
+            entries,
+            point_estimate=self.point_estimate,
+            missing=self.missing,
+            size=self.size,
+            temperature=self.temperature,
+            data_size=self.data_size,
         )
 
     # ---------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:
         """Everything as tensors, strings, numbers, lists and dicts (loadable with
         ``torch.load(weights_only=True)``): each distinct group and base once, by class name
-        and constructor parameters, and per entry its key, shape, element and their indices
-        (:mod:`liegroup_blr.posterior_io`)."""
+        and constructor parameters, per entry its key, shape, element and their indices, and
+        the temperature and data size (:mod:`liegroup_blr.posterior_io`, format version 2)."""
         return posterior_io.state_dict(
-            self.items(), point_estimate=self.point_estimate, size=self.size, missing=self.missing
+            self.items(),
+            point_estimate=self.point_estimate,
+            size=self.size,
+            missing=self.missing,
+            temperature=self.temperature,
+            data_size=self.data_size,
         )
 
     @classmethod
@@ -226,6 +265,8 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         state_dict: Mapping[str, Any],
         groups: LieGroup | Mapping[str | int, LieGroup] | None = None,
         bases: Distribution | Mapping[str | int, Distribution] | None = None,
+        *,
+        temperature: float | None = None,
     ) -> Posterior:
         """Rebuild a posterior from :meth:`state_dict`.
 
@@ -234,11 +275,17 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         entry's key or the class name to the object (an entry's key wins). A passed object
         must be of the class that was saved.
 
+        A version-1 state dict (written before posteriors recorded their temperature) loads
+        with a warning naming τ: it is read as τ = 1 unless ``temperature`` is given. A given
+        ``temperature`` replaces the recorded one in any version.
+
         Raises:
-            ValueError: in one line, for a dict that is not a posterior's, of another format
+            ValueError: in one line, for a dict that is not a posterior's, of an unknown format
                 version, malformed, or whose custom groups or bases were not passed.
         """
-        entries, options = posterior_io.entries(state_dict, groups, bases, PosteriorEntry)
+        entries, options = posterior_io.entries(
+            state_dict, groups, bases, PosteriorEntry, temperature=temperature
+        )
         return cls(entries, **options)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -253,9 +300,12 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         groups: LieGroup | Mapping[str | int, LieGroup] | None = None,
         bases: Distribution | Mapping[str | int, Distribution] | None = None,
         map_location: str | torch.device | None = "cpu",
+        *,
+        temperature: float | None = None,
     ) -> Posterior:
         """Read a file written by :meth:`save` with ``torch.load(weights_only=True)``;
-        ``groups`` and ``bases`` as :meth:`from_state_dict`.
+        ``groups``, ``bases`` and ``temperature`` (τ of a version-1 file, which records none)
+        as :meth:`from_state_dict`.
 
         Raises:
             ValueError: in one line, for a file that cannot be read (truncated, corrupt, or
@@ -263,7 +313,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         """
         state_dict = posterior_io.load(path, map_location)
         try:
-            return cls.from_state_dict(state_dict, groups, bases)
+            return cls.from_state_dict(state_dict, groups, bases, temperature=temperature)
         except ValueError as err:
             raise ValueError(f"path: {os.fspath(path)!r}: {err}") from None
 
@@ -363,3 +413,18 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         values = self.point_estimates()
         for key, p in self._targets(model):
             p.copy_(values[key])
+
+
+def _recorded(name: str, value: Any, *, positive: bool) -> float | None:
+    """``value`` as a float (``None`` stays): finite and ≥ 0 (> 0 with ``positive``);
+    ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}: expected a number or None, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(
+            f"{name}: must be a finite number {'>' if positive else '>='} 0, got {value!r}"
+        )
+    return number

@@ -1,7 +1,11 @@
 """The file format of a :class:`~liegroup_blr.Posterior`: a state dict of tensors, strings,
 numbers, lists and dicts (loadable with ``torch.load(weights_only=True)``), each distinct group
 and base stored once by class name and constructor parameters; built-in groups and the
-library's bases are restored by name, custom ones are passed by the caller."""
+library's bases are restored by name, custom ones are passed by the caller.
+
+Version 2 (this one) records the temperature τ and the data size N the posterior was trained
+at. Version 1 recorded neither: it still loads, read as τ = 1 (or the ``temperature`` its
+reader passes) with a warning that says so."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from torch.distributions import (
     Uniform,
 )
 
+from ._userline import warn
 from .distributions import Dirac, Rayleigh
 from .groups import (
     AdditiveGroup,
@@ -55,8 +60,11 @@ E = TypeVar("E")
 
 FORMAT = "liegroup_blr.Posterior"
 """The ``"format"`` entry of a posterior's state dict and file."""
-VERSION = 1
-"""The version of the state-dict layout this module writes and reads."""
+VERSION = 2
+"""The version of the state-dict layout this module writes (it reads 1 and 2): 2 added
+``"temperature"`` and ``"data_size"``."""
+READS = (1, 2)
+"""The versions this module reads."""
 
 _GROUPS: dict[str, type[LieGroup]] = {
     cls.__name__: cls
@@ -88,9 +96,12 @@ def state_dict(
     point_estimate: str,
     size: int | None,
     missing: Iterable[str | int],
+    temperature: float | None,
+    data_size: float | None,
 ) -> dict[str, Any]:
     """:meth:`Posterior.state_dict <liegroup_blr.Posterior.state_dict>` of the entries
-    ``items`` (key, entry) and the posterior's convention, size and missing keys."""
+    ``items`` (key, entry) and the posterior's convention, size, missing keys, temperature
+    and data size."""
     groups: dict[int, int] = {}
     bases: dict[int, int] = {}
     group_specs: list[dict[str, Any]] = []
@@ -118,6 +129,8 @@ def state_dict(
         "point_estimate": point_estimate,
         "size": size,
         "missing": list(missing),
+        "temperature": temperature,
+        "data_size": data_size,
         "groups": group_specs,
         "bases": base_specs,
         "entries": rows,
@@ -129,18 +142,23 @@ def entries(
     groups: LieGroup | Mapping[str | int, LieGroup] | None,
     bases: Distribution | Mapping[str | int, Distribution] | None,
     entry: Callable[..., E],
+    *,
+    temperature: float | None = None,
 ) -> tuple[dict[str | int, E], dict[str, Any]]:
     """The entries of a posterior's state dict and the keywords of its constructor; the
-    custom groups and bases from ``groups`` and ``bases``. ValueError in one line for a dict
-    that is not a posterior's, of another version, or malformed."""
+    custom groups and bases from ``groups`` and ``bases``; ``temperature``, if given, in
+    place of the recorded τ (a version-1 dict records none: τ = 1 with a warning unless
+    given). ValueError in one line for a dict that is not a posterior's, of an unknown
+    version, or malformed."""
     if not isinstance(state_dict, Mapping) or state_dict.get("format") != FORMAT:
         raise ValueError(
             f"state_dict: not a liegroup_blr Posterior (no 'format': {FORMAT!r} entry)"
         )
-    if state_dict.get("version") != VERSION:
+    version = state_dict.get("version")
+    if isinstance(version, bool) or version not in READS:
         raise ValueError(
-            f"state_dict: Posterior format version {state_dict.get('version')!r}; this "
-            f"liegroup_blr reads version {VERSION}"
+            f"state_dict: Posterior format version {version!r}; this liegroup_blr reads "
+            f"versions {', '.join(map(str, READS))}"
         )
     try:
         found = {}
@@ -153,10 +171,22 @@ def entries(
                 torch.Size(row["shape"]),
             )
         options = {k: state_dict[k] for k in ("point_estimate", "missing", "size")}
+        if version >= 2:
+            options["temperature"] = state_dict["temperature"]
+            options["data_size"] = state_dict["data_size"]
     except (KeyError, IndexError, TypeError, AttributeError) as err:
         raise ValueError(
             f"state_dict: a malformed Posterior state dict ({type(err).__name__}: {err})"
         ) from None
+    if temperature is not None:
+        options["temperature"] = temperature
+    elif version == 1:
+        warn(
+            "Posterior: a version-1 file records no temperature τ; read as τ = 1. If it was "
+            "trained at another τ, pass it: Posterior.load(path, temperature=τ) (or "
+            "from_state_dict(..., temperature=τ)); save it again to record it"
+        )
+        options["temperature"] = 1.0
     return found, options
 
 

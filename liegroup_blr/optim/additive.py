@@ -22,6 +22,7 @@ from typing_extensions import Unpack
 
 from ..groups import AdditiveGroup
 from .base import BLROptimizer
+from .checks import check_momentum, former_positional
 from .kernel_utils import compiled, momentum
 from .options import EngineOptions
 from .rule import Rule
@@ -57,12 +58,18 @@ class AdditiveBLR(BLROptimizer):
     δ/N. The parameters hold :math:`m` outside
     :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`.
 
+    ``lgb.AdditiveBLR(params, lr, momentum, base, *, data_size, ...)``: the arguments from
+    ``data_size`` on are keyword-only. Passed by position (0.1.0 took ``data_size``,
+    ``temperature``, ``prior_precision``, ``mc_samples`` there), they are taken in that order
+    with a FutureWarning naming the keyword fix, for one release.
+
     Args:
         params: parameters or param groups.
         lr: α > 0.
         momentum: β ∈ [0, 1).
         base: q0, default ``Normal(0, 1e-3)`` (the reference MLP's).
-        data_size: N, required when ``prior_precision`` > 0.
+        data_size: N, the number of training examples; keyword-only, required when
+            ``prior_precision`` > 0.
         temperature: τ ≥ 0 (no effect: the entropy of m + ξ does not depend on m).
         prior_precision: δ ≥ 0.
         mc_samples: S ≥ 1.
@@ -78,15 +85,19 @@ class AdditiveBLR(BLROptimizer):
         lr: float,
         momentum: float = 0.9,
         base: Distribution | None = None,
+        *deprecated: Any,
         data_size: float | None = None,
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
-        *,
         weight_decay: float = 0.0,
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
+        data_size, temperature, prior_precision, mc_samples = former_positional(
+            "AdditiveBLR", deprecated, data_size, temperature, prior_precision, mc_samples
+        )
+        check_momentum("AdditiveBLR", momentum)
         defaults = dict(
             lr=lr,
             momentum=momentum,

@@ -481,7 +481,8 @@ class BLROptimizer(Optimizer):
         optimizer built from it). Sharded (FSDP2) parameters' elements are gathered whole (a
         collective: call it on every rank). Parameters without state yet (never trained,
         e.g. frozen) are left out, recorded in ``missing`` and named in a warning. A value
-        written into a parameter since the optimizer's last call is adopted first.
+        written into a parameter since the optimizer's last call is adopted first. It records
+        the param groups' temperature and data size (``None`` where they differ).
 
         Raises:
             ValueError: ``model`` lacks one of the optimizer's parameters.
@@ -512,8 +513,14 @@ class BLROptimizer(Optimizer):
                 f"Posterior: {len(missing)} parameter(s) without optimizer state (never "
                 f"trained, e.g. frozen) left out: {missing}",
             )
+        taus, sizes = ({g.get(k) for g in self.param_groups} for k in ("temperature", "data_size"))
         return Posterior(
-            entries, point_estimate=self.point_convention, missing=missing, size=position
+            entries,
+            point_estimate=self.point_convention,
+            missing=missing,
+            size=position,
+            temperature=taus.pop() if len(taus) == 1 else None,
+            data_size=sizes.pop() if len(sizes) == 1 else None,
         )
 
     def set_prior(
@@ -574,13 +581,17 @@ class BLROptimizer(Optimizer):
         )
 
     @torch.no_grad()
-    def next_task(self, data_size: float, *, strength: float = 1.0) -> Posterior:
+    def next_task(
+        self, data_size: float, *, strength: float = 1.0, model: nn.Module | None = None
+    ) -> Posterior:
         r"""Start the next task of a sequence: the current posterior becomes the prior
         (:meth:`set_prior`), every param group's ``data_size`` becomes N_t = ``data_size`` and
         its ``prior_precision`` (and ``weight_decay``) 0 (the posterior replaces the N(0, 1/δ)
         prior), and the momenta are reset to 0. Kept: the elements (the task starts from the
         posterior), the step sizes and other hyperparameters, lr schedules, the noise
-        generators and the skip count. Returns the new prior.
+        generators and the skip count. Returns the new prior: the finished task's posterior
+        (with its temperature and data size), keyed by ``model``'s parameter names when
+        ``model`` is given (``prior["0.weight"]``), else by position (:meth:`posterior`).
 
         ``strength`` w > 0 makes the prior the tempered posterior :math:`q_\text{prev}^w/Z`
         (:meth:`set_prior`): the objective is
@@ -589,21 +600,25 @@ class BLROptimizer(Optimizer):
         pull back to the previous posterior; w < 1: a weaker one.
 
         Raises:
-            ValueError: in one line, for a ``strength`` that is not a finite float > 0
-                (before anything changes).
+            ValueError: in one line, for a ``strength`` that is not a finite float > 0 or a
+                ``data_size`` that is not > 0, or a ``model`` that lacks one of the
+                optimizer's parameters (before anything changes).
             RuntimeError: between ``sampled_params(train=True)`` blocks and ``step()``.
         """
         strength = check_strength(strength)
         if self._engine.status.samples:
             raise RuntimeError("next_task() between sampled_params(train=True) and step()")
+        resets = []
         for group in self.param_groups:
-            group["data_size"] = data_size
-            group["prior_precision"] = 0.0
+            reset = {"data_size": data_size, "prior_precision": 0.0}
             if "weight_decay" in group:
-                group["weight_decay"] = 0.0
-            self._validate(group)
-        posterior = self.posterior()
-        self.set_prior(posterior, strength=strength)
+                reset["weight_decay"] = 0.0
+            self._validate({**group, **reset})
+            resets.append(reset)
+        posterior = self.posterior(model)  # the finished task's: its N, before N_t replaces it
+        for group, reset in zip(self.param_groups, resets, strict=True):
+            group.update(reset)
+        self.set_prior(posterior, model, strength=strength)
         for state in self.state.values():
             state["momentum"].zero_()
         return posterior

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from torch import Tensor
 
+from .._userline import warn
 from ..distributions import check_base
 from ..groups import LieGroup
 from ..noise import symmetric_centre
 
-__all__ = ["check_choice", "check_count", "check_hyperparameters", "check_number"]
+__all__ = [
+    "check_choice",
+    "check_count",
+    "check_hyperparameters",
+    "check_momentum",
+    "check_number",
+    "former_positional",
+]
 
 
 def check_number(hp: dict[str, Any], key: str, low: float, high: float = math.inf, *, closed=True):
@@ -63,3 +72,53 @@ def check_hyperparameters(
         )
     if point_estimate == "mean" and not math.isfinite(float(hp["base"].mean)):
         raise ValueError("point_estimate: 'mean' needs a base with a finite mean")
+
+
+FORMER_POSITIONAL = {"data_size": None, "temperature": 1.0, "prior_precision": 0.0, "mc_samples": 1}
+"""The arguments AdditiveBLR and LieGroupBLR took by position after ``momentum`` (``base`` for
+AdditiveBLR) in 0.1.0, in that order, with their defaults; keyword-only since."""
+
+
+def former_positional(owner: str, values: tuple[Any, ...], *given: Any) -> tuple[Any, ...]:
+    """The :data:`FORMER_POSITIONAL` arguments as received by keyword (``given``, in that
+    order), with ``values`` passed by position in their place: one release of a FutureWarning
+    that names the keyword fix. TypeError for more values than names, or one passed both ways.
+    """
+    if not values:
+        return given
+    names = list(FORMER_POSITIONAL)
+    if len(values) > len(names):
+        raise TypeError(
+            f"{owner}: {len(values)} arguments by position after the optimizer's positional "
+            f"ones; pass them by keyword ({', '.join(names)}, ...)"
+        )
+    out = list(given)
+    for i, value in enumerate(values):
+        if given[i] != FORMER_POSITIONAL[names[i]]:
+            raise TypeError(f"{owner}: got multiple values for argument {names[i]!r}")
+        out[i] = value
+    fix = ", ".join(f"{n}={v!r}" for n, v in zip(names, values, strict=False))
+    warn(
+        f"{owner}: {', '.join(names[: len(values)])} passed by position; keyword-only now, "
+        f"refused by position from the next release: write {owner}(..., {fix})",
+        FutureWarning,
+    )
+    return tuple(out)
+
+
+def check_momentum(owner: str, momentum: Any) -> None:
+    """ValueError naming ``momentum`` outside [0, 1); for a number ≥ 1 (likely a data size
+    passed by position into momentum's place), the keyword fix as well."""
+    try:
+        check_number({"momentum": momentum}, "momentum", 0.0, 1.0)
+    except ValueError as err:
+        if (
+            isinstance(momentum, numbers.Real)
+            and not isinstance(momentum, bool)
+            and float(momentum) >= 1
+        ):
+            raise ValueError(
+                f"{err}; if {momentum!r} is the number of training examples N, pass it by "
+                f"keyword: {owner}(..., data_size={momentum!r})"
+            ) from None
+        raise

@@ -28,6 +28,7 @@ from typing_extensions import Unpack
 from ..fisher import algebra_gradient, inverse_metric
 from ..groups import LieGroup
 from .base import BLROptimizer
+from .checks import check_momentum, former_positional
 from .kernel_utils import compiled
 from .options import EngineOptions
 from .rule import Rule
@@ -78,6 +79,11 @@ class LieGroupBLR(BLROptimizer):
     point estimate ``readout(g · ξ₀)`` (ξ₀ = ``group.reference_point``, or E[ξ] with
     ``point_estimate="mean"``).
 
+    ``lgb.LieGroupBLR(params, group, base, lr, momentum, *, data_size, ...)``: the arguments
+    from ``data_size`` on are keyword-only. Passed by position (0.1.0 took ``data_size``,
+    ``temperature``, ``prior_precision``, ``mc_samples`` there), they are taken in that order
+    with a FutureWarning naming the keyword fix, for one release.
+
     Args:
         params: parameters or param groups. Each param group may set its own ``lr``,
             ``momentum``, ``base``, ``data_size``, ``temperature``, ``prior_precision`` and
@@ -86,7 +92,9 @@ class LieGroupBLR(BLROptimizer):
         base: scalar base distribution q0, drawn i.i.d. per coordinate of the base space.
         lr: step size α > 0.
         momentum: β ∈ [0, 1), EMA of the algebra gradient.
-        data_size: N > 0; required when ``prior_precision`` > 0 or the entropy term is used.
+        data_size: N > 0, the number of training examples; keyword-only, required when
+            ``prior_precision`` > 0 or the entropy term is used (τ > 0 and an entropy that
+            depends on g).
         temperature: τ ≥ 0.
         prior_precision: δ ≥ 0 of the Gaussian prior N(0, I/δ).
         mc_samples: S ≥ 1 samples per :meth:`~liegroup_blr.optim.BLROptimizer.step` with a closure.
@@ -116,17 +124,21 @@ class LieGroupBLR(BLROptimizer):
         base: Distribution,
         lr: float,
         momentum: float = 0.9,
+        *deprecated: Any,
         data_size: float | None = None,
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
-        *,
         weight_decay: float = 0.0,
         preconditioner: Preconditioner = None,
         init: Callable[[Tensor], Tensor] | None = None,
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
+        data_size, temperature, prior_precision, mc_samples = former_positional(
+            "LieGroupBLR", deprecated, data_size, temperature, prior_precision, mc_samples
+        )
+        check_momentum("LieGroupBLR", momentum)
         defaults = dict(
             lr=lr,
             momentum=momentum,

@@ -105,7 +105,7 @@ def test_sensitivity_selection_keeps_the_examples_known_to_score_highest_in_orde
     model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
     for per_task in (5, 3):
         memory = MemorablePast(per_task, selection="sensitivity")
-        chosen = memory.add_task(model, post, x, y)
+        chosen = memory.add_task(model, posterior=post, inputs=x, targets=y)
         assert chosen.tolist() == rows[:per_task]
         assert torch.equal(memory.inputs, x[rows[:per_task]])
         assert torch.equal(memory.targets, y[rows[:per_task]])
@@ -120,7 +120,9 @@ def test_random_selection_is_the_generator_s_uniform_draw() -> None:
     x, y, _ = constructed_task()
     model, _ = softmax_regression(torch.zeros(K, D), scale=0.3)
     memory = MemorablePast(5, selection="random")
-    chosen = memory.add_task(model, None, x, y, generator=torch.Generator().manual_seed(7))
+    chosen = memory.add_task(
+        model, posterior=None, inputs=x, targets=y, generator=torch.Generator().manual_seed(7)
+    )
     # nothing is scored: the choice is the generator's first permutation
     expected = torch.randperm(30, generator=torch.Generator().manual_seed(7))[:5]
     assert torch.equal(chosen, expected)
@@ -137,28 +139,29 @@ def test_lambda_selection_is_class_balanced_and_keeps_the_highest_lambda() -> No
     lam = (p * (1 - p)).sum(-1)
     assert torch.all(lam[c.argsort()][:-1] > lam[c.argsort()][1:])  # λ order = c order
     memory = MemorablePast(6)  # selection="lambda": 2 per class
-    chosen = memory.add_task(model, None, x, y)
+    chosen = memory.add_task(model, posterior=None, inputs=x, targets=y)
     assert chosen.tolist() == [0, 1, 5, 7, 9, 10]  # the two smallest c of each class
     assert lam.topk(6).indices.sort().values.tolist() == [0, 1, 2, 3, 5, 9]  # not balanced
     assert torch.equal(memory.scores, lam[chosen])
     assert torch.equal(memory.outputs_old, table[chosen])
     # a class of one example gives its remainder to the others: 7 = 1 + 3 + 3
     model, x, y = lookup_task(table, [0] + [1] * 5 + [2] * 6)
-    chosen = MemorablePast(7).add_task(model, None, x, y)
+    chosen = MemorablePast(7).add_task(model, posterior=None, inputs=x, targets=y)
     assert chosen.tolist() == [0, 1, 2, 3, 9, 7, 6]
     assert y[chosen].tolist() == [0, 1, 1, 1, 2, 2, 2]
     # 7 over three full classes: round-robin, the remainder to the lowest label
     model, x, y = lookup_task(table, [0] * 4 + [1] * 4 + [2] * 4)
-    assert y[MemorablePast(7).add_task(model, None, x, y)].tolist() == [0, 0, 0, 1, 1, 2, 2]
-    assert len(MemorablePast(50).add_task(model, None, x, y)) == 12  # at most the task
+    chosen = MemorablePast(7).add_task(model, inputs=x, targets=y)
+    assert y[chosen].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert len(MemorablePast(50).add_task(model, inputs=x, targets=y)) == 12  # at most the task
 
 
 def test_tasks_are_appended_with_their_index() -> None:
     x, y, rows = constructed_task()
     model, post = softmax_regression(torch.zeros(K, D), scale=0.3)
     memory = MemorablePast(2, selection="sensitivity")
-    memory.add_task(model, post, x, y)
-    memory.add_task(model, post, 2 * x, y)
+    memory.add_task(model, posterior=post, inputs=x, targets=y)
+    memory.add_task(model, posterior=post, inputs=2 * x, targets=y)
     assert len(memory) == 4 and memory.num_tasks == 2
     assert memory.tasks.tolist() == [0, 0, 1, 1]
     assert torch.equal(memory.inputs[2:], 2 * x[rows[:2]])
@@ -170,7 +173,7 @@ def test_the_old_outputs_are_the_model_s_point_estimate_in_eval_mode() -> None:
     model = nn.Sequential(nn.Linear(D, 8), nn.Dropout(0.5), nn.Linear(8, K))
     x, y = torch.randn(20, D), torch.randint(0, K, (20,))
     memory = MemorablePast(5, "random")
-    chosen = memory.add_task(model, None, x, y, batch_size=3)
+    chosen = memory.add_task(model, posterior=None, inputs=x, targets=y, batch_size=3)
     assert model.training  # restored
     model.eval()
     assert torch.allclose(memory.outputs_old, model(x[chosen]), atol=1e-6)
@@ -204,7 +207,7 @@ def test_kprior_is_exact_for_bayesian_linear_regression() -> None:
 
     theta1 = map_of(X1, y1)
     memory = MemorablePast(len(y1), "random", "kprior", likelihood="gaussian", noise_variance=s2)
-    memory.add_task(linear_model(theta1[None]), None, X1, y1)
+    memory.add_task(linear_model(theta1[None]), posterior=None, inputs=X1, targets=y1)
     assert torch.allclose(memory.outputs_old[:, 0], memory.inputs @ theta1, atol=1e-12)
     N2 = len(y2)
 
@@ -232,7 +235,7 @@ def test_kprior_is_exact_for_multinomial_logistic_regression() -> None:
     start = torch.zeros(K * d, dtype=torch.float64)
     theta1 = newton(lambda t: nll(t, X1, y1) + delta / 2 * t.square().sum(), start)
     memory = MemorablePast(len(y1), "random", "kprior")
-    memory.add_task(linear_model(theta1.reshape(K, d)), None, X1, y1)
+    memory.add_task(linear_model(theta1.reshape(K, d)), posterior=None, inputs=X1, targets=y1)
     N2 = len(y2)
 
     def objective(theta: torch.Tensor) -> torch.Tensor:
@@ -261,7 +264,7 @@ def test_fromp_equals_the_weight_space_prior_where_its_kernel_is_exact() -> None
     assert torch.equal(Sigma1, torch.diag(Sigma1.diagonal()))
     posterior = diagonal_gaussian(theta1[None], Sigma1.diagonal()[None])
     memory = MemorablePast(d, "random", "fromp", likelihood="gaussian", noise_variance=s2)
-    memory.add_task(linear_model(theta1[None]), posterior, X1, y1)
+    memory.add_task(linear_model(theta1[None]), posterior=posterior, inputs=X1, targets=y1)
     N2 = len(y2)
 
     def fromp(theta: torch.Tensor) -> torch.Tensor:
@@ -289,7 +292,7 @@ def test_fromp_value_and_gradient_are_the_closed_form_of_the_stored_kernel() -> 
     s = 0.3
     model, post = softmax_regression(W, scale=s, dtype=torch.float64)
     memory = MemorablePast(8, "lambda", "fromp")
-    chosen = memory.add_task(model, post, x, y)
+    chosen = memory.add_task(model, posterior=post, inputs=x, targets=y)
     variance = s**2 * x[chosen].square().sum(-1)
     jitter = 1e-6 * variance.mean()
     expected = torch.eye(K, dtype=torch.float64) / (variance + jitter)[:, None, None]
@@ -318,7 +321,13 @@ def memories(dtype: torch.dtype = torch.float64) -> dict[tuple[str, str], Memora
         ):
             sigma2 = 1.0 if likelihood == "categorical" else 0.5
             memory = MemorablePast(6, selection, use, likelihood=likelihood, noise_variance=sigma2)
-            memory.add_task(model, post, x, y, generator=torch.Generator().manual_seed(0))
+            memory.add_task(
+                model,
+                posterior=post,
+                inputs=x,
+                targets=y,
+                generator=torch.Generator().manual_seed(0),
+            )
             out[use, likelihood] = memory
     return out
 
@@ -421,8 +430,8 @@ def test_state_dict_save_and_load_round_trip(use: str, tmp_path: Path) -> None:
     model, post = softmax_regression(torch.randn(K, D), scale=0.3)
     memory = MemorablePast(4, "sensitivity", use)
     generator = torch.Generator().manual_seed(3)
-    memory.add_task(model, post, x, y, generator=generator)
-    memory.add_task(model, post, -x, y, generator=generator)
+    memory.add_task(model, posterior=post, inputs=x, targets=y, generator=generator)
+    memory.add_task(model, posterior=post, inputs=-x, targets=y, generator=generator)
     path = tmp_path / "memory.pt"
     memory.save(path)
     loaded = MemorablePast.load(path)
@@ -458,7 +467,7 @@ def test_an_optimizer_is_read_as_its_posterior() -> None:
     model = nn.Linear(D, K, bias=False)
     optimizer = lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.1, data_size=30)
     memory = MemorablePast(5, "sensitivity")
-    chosen = memory.add_task(model, optimizer, x, y)
+    chosen = memory.add_task(model, posterior=optimizer, inputs=x, targets=y)
     post = optimizer.posterior(model)
     assert torch.equal(memory.scores, lgb.sensitivity(model, post, x, y)[chosen])
 
@@ -469,7 +478,9 @@ def test_lie_group_blr_optimizers_give_fromp_its_kernel() -> None:
     model = nn.Linear(D, K)
     affine = lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.1, data_size=40)
     memory = MemorablePast(6, "lambda", "fromp")
-    chosen = memory.add_task(model, affine, x, y)  # method auto: the Jacobian form
+    chosen = memory.add_task(
+        model, posterior=affine, inputs=x, targets=y
+    )  # method auto: the Jacobian form
     V = lgb.memory.prediction_variance(model, affine, x[chosen], cross_class=True).double()
     V = V + 1e-6 * V.diagonal(dim1=-2, dim2=-1).mean() * torch.eye(K, dtype=torch.float64)
     identity = torch.eye(K, dtype=torch.float64).expand(6, K, K)
@@ -478,7 +489,14 @@ def test_lie_group_blr_optimizers_give_fromp_its_kernel() -> None:
     model = nn.Linear(D, K)
     multiplicative = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=40, init="auto")
     memory = MemorablePast(6, "sensitivity", "fromp")  # the Monte Carlo kernel
-    memory.add_task(model, multiplicative, x, y, samples=16, generator=torch.Generator())
+    memory.add_task(
+        model,
+        posterior=multiplicative,
+        inputs=x,
+        targets=y,
+        samples=16,
+        generator=torch.Generator(),
+    )
     kinv = memory.kernel_inverse
     assert kinv.shape == (6, K, K) and torch.isfinite(kinv).all()
     assert torch.linalg.eigvalsh(kinv.double()).min() > 0  # positive definite
@@ -498,7 +516,7 @@ def test_lie_group_blr_optimizers_give_fromp_its_kernel() -> None:
         ((3,), {"likelihood": "poisson"}, "likelihood"),
         ((3, "random"), {"likelihood": "gaussian", "noise_variance": 0.0}, "noise_variance"),
         ((3,), {"noise_variance": 2.0}, "noise_variance: only the Gaussian"),
-        ((3,), {"likelihood": "gaussian"}, "use selection='random'"),
+        ((3, "lambda"), {"likelihood": "gaussian"}, "use selection='random'"),
     ],
 )
 def test_refusals_name_the_argument(args: tuple, kwargs: dict, message: str) -> None:
@@ -516,6 +534,6 @@ def test_a_missing_posterior_is_refused_with_the_fix(
     x, y, _ = constructed_task()
     model, _ = softmax_regression(torch.zeros(K, D), scale=0.3)
     with pytest.raises(ValueError, match=message):
-        MemorablePast(3, selection, use).add_task(model, None, x, y)
+        MemorablePast(3, selection, use).add_task(model, posterior=None, inputs=x, targets=y)
     with pytest.raises(ValueError, match="labels must lie in"):
-        MemorablePast(3, "random").add_task(model, None, x, y + 5)
+        MemorablePast(3, "random").add_task(model, posterior=None, inputs=x, targets=y + 5)

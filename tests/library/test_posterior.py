@@ -341,6 +341,7 @@ def _leaves(obj: Any) -> list[Any]:
 def assert_same_posterior(a: Posterior, b: Posterior) -> None:
     assert list(a) == list(b)
     assert (a.point_estimate, a.missing, a.size) == (b.point_estimate, b.missing, b.size)
+    assert (a.temperature, a.data_size) == (b.temperature, b.data_size)
     for key in a:
         x, y = a[key], b[key]
         assert torch.equal(x.element, y.element) and x.element.dtype == y.element.dtype
@@ -362,7 +363,7 @@ def test_state_dict_round_trip_through_weights_only_load(rule: str) -> None:
     sd = torch.load(buffer, weights_only=True)
     allowed = (Tensor, str, int, float, bool, type(None))
     assert all(isinstance(leaf, allowed) for leaf in _leaves(sd))
-    assert sd["format"] == FORMAT and sd["version"] == 1
+    assert sd["format"] == FORMAT and sd["version"] == 2
     assert_same_posterior(post, Posterior.from_state_dict(sd))
 
 
@@ -433,7 +434,7 @@ def test_foreign_and_corrupt_files_are_refused_in_one_line(tmp_path: Path) -> No
     garbage.write_bytes(b"not a torch file at all")
     cases = {
         _write(tmp_path / "model.pt", model.state_dict()): "not a liegroup_blr Posterior",
-        _write(tmp_path / "version.pt", {**sd, "version": 2}): "format version 2",
+        _write(tmp_path / "version.pt", {**sd, "version": 3}): "format version 3",
         _write(tmp_path / "malformed.pt", {**sd, "entries": [{"key": "x"}]}): "malformed",
         _write(tmp_path / "pickle.pt", {"x": _Foreign()}): "not a readable Posterior file",
         truncated: "not a readable Posterior file",
@@ -493,7 +494,9 @@ def test_repr_len_iteration_and_to() -> None:
     model, opt = trained("affine", "mean")
     post = Posterior.from_optimizer(opt, model)
     text = repr(post)
-    assert text.splitlines()[0] == "Posterior(4 entries by name, point_estimate='mean')"
+    assert text.splitlines()[0] == (
+        "Posterior(4 entries by name, point_estimate='mean', temperature=1.0, data_size=100.0)"
+    )
     assert "  0.weight: (6, 4) DiagonalAffineGroup() Normal(loc=0.3, scale=0.1)" in text
     assert len(post) == 4 and list(post) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     wide = post.to(dtype=torch.float64)
