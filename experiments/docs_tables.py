@@ -363,6 +363,20 @@ CONTINUAL_ESTIMATE_ROWS = tuple(
 )
 """The rules' estimates on a continual stream: at g, at the posterior mean (multiplicative;
 the other rules' coincide with g) and the model average."""
+SCALE_CASES = {"readme": "README example", "digits": "digits 0–4", "mnist5k": "MNIST-5k"}
+SCALE_LAYERS = ("0.weight", "0.bias", "2.weight", "2.bias")
+SCALE_ROWS = tuple(
+    (f"{case}_{kind}", layer, (name, words, layer))
+    for case, name in SCALE_CASES.items()
+    for kind, words in (("old", "lr=1, scale_lr=0.05"), ("new", "defaults"))
+    for layer in SCALE_LAYERS
+)
+SCALE_TEXT = (("case", LEFT), ("values", LEFT), ("tensor", LEFT))
+SCALE_PASSES = tuple(Metric(f"pass {k}", f"pass{k}.{{est}}", decimals=2) for k in (1, 3, 10, 30))
+SCALE_CHECKS = (
+    Metric("σ*: drift", "drift.{est}", decimals=3),
+    Metric("σ* (long) ÷ σ* (Hessian)", "long_over_hessian.{est}", decimals=2),
+)
 STREAMS = ("continual_permuted", "continual_split", "continual_split_single")
 
 TABLES: dict[str, Table] = {
@@ -396,6 +410,13 @@ TABLES: dict[str, Table] = {
             for rule, est, _ in CPU_DEFAULT_ROWS
         ),
         PREDICTIVE[:3],
+    ),
+    "scale_fixed_point/passes": Table("scale_fixed_point", SCALE_TEXT, SCALE_ROWS, SCALE_PASSES),
+    "scale_fixed_point/checks": Table(
+        "scale_fixed_point",
+        SCALE_TEXT,
+        tuple(row for row in SCALE_ROWS if row[0] in ("readme_new", "digits_new")),
+        SCALE_CHECKS,
     ),
     **{
         f"{stream}/methods": Table(stream, CONTINUAL_TEXT, CONTINUAL_ROWS[stream], CONTINUAL)

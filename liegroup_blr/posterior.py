@@ -95,8 +95,8 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
 
     It records what its consumers need besides the elements: the temperature τ of the rule
     that learned it (a rule at τ learns about τ times the posterior covariance, which
-    :func:`~liegroup_blr.sensitivity`, :func:`~liegroup_blr.loo_nll`,
-    :func:`~liegroup_blr.memory_map` and :meth:`~liegroup_blr.MemorablePast.add_task` divide
+    :func:`~liegroup_blr.memory.sensitivity`, :func:`~liegroup_blr.memory.loo_nll`,
+    :func:`~liegroup_blr.memory.memory_map` and :meth:`~liegroup_blr.MemorablePast.add_task` divide
     by) and the data size N it was trained at. The likelihood is not recorded: the optimizer
     never sees it (the closure's loss is it), so those functions take it as an argument, from
     a posterior as from an optimizer.

@@ -61,8 +61,8 @@ E = TypeVar("E")
 FORMAT = "liegroup_blr.Posterior"
 """The ``"format"`` entry of a posterior's state dict and file."""
 VERSION = 2
-"""The version of the state-dict layout this module writes (it reads 1 and 2): 2 added
-``"temperature"`` and ``"data_size"``."""
+"""The version of the state-dict layout this module writes; version 2 added the keys
+``"temperature"`` and ``"data_size"`` to version 1's."""
 READS = (1, 2)
 """The versions this module reads."""
 

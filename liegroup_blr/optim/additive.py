@@ -136,6 +136,26 @@ class AdditiveRule(Rule):
     def write_point(self, group, params, elements, mean) -> None:
         additive_readout_(params, elements, mean=mean)
 
+    def check_prior(self, group: dict[str, Any], strength: float) -> None:
+        """The posterior of m + ξ has the base's fixed covariance σ²I, so as a prior it pulls
+        m back with the constant curvature c = wτ/(Nσ²); the momentum step
+        M ← βM + (1 − β)c·m, m ← m − αM is stable only for αc < 2(1 + β)/(1 − β)."""
+        n, variance = group["data_size"], float(torch.as_tensor(group["base"].variance).min())
+        if n is None or not variance > 0:
+            return
+        lr, beta = group["lr"], group["momentum"]
+        pull = strength * group["temperature"] / (n * variance)
+        limit = 2 * (1 + beta) / (1 - beta)
+        if lr * pull >= limit:
+            raise ValueError(
+                f"set_prior: the additive rule's posterior keeps the base's fixed variance "
+                f"σ² = {variance:.3g}, so as a prior it pulls every weight back with "
+                f"c = wτ/(Nσ²) = {pull:.4g}, and lr·c = {lr * pull:.4g} is past the stable "
+                f"limit 2(1+β)/(1−β) = {limit:.4g}: lower lr below {limit / pull:.3g}, pass "
+                f"strength below {strength * limit / (lr * pull):.3g}, or use AffineBLR, "
+                "whose posterior learns its scale"
+            )
+
 
 # ------------------------------------------------------------------ the formulas
 def additive_move(m: Tensor, mom: Tensor, lr: float | Tensor) -> Tensor:

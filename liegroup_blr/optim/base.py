@@ -555,8 +555,10 @@ class BLROptimizer(Optimizer):
         Raises:
             ValueError: in one line, for a ``strength`` that is not a finite float > 0, a
                 posterior whose parameters, shapes, group or base do not match, a Dirac base
-                (infinite KL), or a covered parameter whose param group has
-                ``prior_precision > 0`` or ``weight_decay > 0``.
+                (infinite KL), a covered parameter whose param group has
+                ``prior_precision > 0`` or ``weight_decay > 0``, or a pull a step cannot take
+                stably (the additive rule's: lr·wτ/(Nσ²) ≥ 2(1+β)/(1−β)), naming the
+                largest stable ``lr`` and ``strength``.
         """
         strength = check_strength(strength)
         if posterior is not None and self._engine.shards.mesh_param is not None:
@@ -567,6 +569,8 @@ class BLROptimizer(Optimizer):
         if posterior is None:
             self._engine.status.prior = None
             return
+        for group in self.param_groups:
+            self._rule.check_prior(group, strength)
         params = self._params()
         trained = [p for p in params if p.requires_grad]
         self._engine.status.prior = prior_for(
@@ -601,8 +605,10 @@ class BLROptimizer(Optimizer):
 
         Raises:
             ValueError: in one line, for a ``strength`` that is not a finite float > 0 or a
-                ``data_size`` that is not > 0, or a ``model`` that lacks one of the
-                optimizer's parameters (before anything changes).
+                ``data_size`` that is not > 0, a ``model`` that lacks one of the
+                optimizer's parameters, or a prior whose pull a step cannot take stably
+                (the additive rule's at a large ``lr``: ``Rule.check_prior``), before
+                anything changes.
             RuntimeError: between ``sampled_params(train=True)`` blocks and ``step()``.
         """
         strength = check_strength(strength)
@@ -614,6 +620,7 @@ class BLROptimizer(Optimizer):
             if "weight_decay" in group:
                 reset["weight_decay"] = 0.0
             self._validate({**group, **reset})
+            self._rule.check_prior({**group, **reset}, strength)
             resets.append(reset)
         posterior = self.posterior(model)  # the finished task's: its N, before N_t replaces it
         for group, reset in zip(self.param_groups, resets, strict=True):

@@ -14,12 +14,14 @@ from ..groups import LieGroup
 from ..noise import symmetric_centre
 
 __all__ = [
+    "REQUIRED",
     "check_choice",
     "check_count",
     "check_hyperparameters",
     "check_momentum",
     "check_number",
     "former_positional",
+    "required",
 ]
 
 
@@ -122,3 +124,15 @@ def check_momentum(owner: str, momentum: Any) -> None:
                 f"keyword: {owner}(..., data_size={momentum!r})"
             ) from None
         raise
+
+
+REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "<required>"})()
+"""The default of an argument the caller must give: :func:`required` names it."""
+
+
+def required(owner: str, **arguments: tuple[Any, str]) -> None:
+    """TypeError in one line for the first argument still at :data:`REQUIRED` (or ``None``
+    for ``lr``), saying what it means: ``arguments`` maps each name to (value, meaning)."""
+    for name, (value, meaning) in arguments.items():
+        if value is REQUIRED or (name == "lr" and value is None):
+            raise TypeError(f"{owner}: {name} is required: {meaning}")

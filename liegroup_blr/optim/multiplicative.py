@@ -30,7 +30,7 @@ from .._userline import warn
 from ..distributions import Rayleigh
 from ..groups import MultiplicativeGroup
 from .base import BLROptimizer
-from .checks import check_number
+from .checks import REQUIRED, check_number, required
 from .kernel_utils import LOG2E, Rows, compiled, momentum, rows
 from .options import EngineOptions
 from .rule import Rule
@@ -111,11 +111,11 @@ class MultiplicativeBLR(BLROptimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float,
+        lr: float | None = None,
         momentum: float = 0.9,
         base: Distribution | None = None,
         *,
-        data_size: float | None,
+        data_size: float | object | None = REQUIRED,
         temperature: float = 1.0,
         prior_precision: float = 0.0,
         mc_samples: int = 1,
@@ -126,6 +126,11 @@ class MultiplicativeBLR(BLROptimizer):
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
+        required(
+            "MultiplicativeBLR",
+            lr=(lr, "the step size α of log g± (2 on a small MLP, 50 on the reference's)"),
+            data_size=(data_size, "N, the number of training examples (τ/N weighs the entropy)"),
+        )
         if init is not None and init not in INITS:
             raise ValueError(f"init: must be one of {INITS}, got {init!r}")
         defaults = dict(

@@ -81,6 +81,10 @@ class Rule:
     def upgrade(self, param_groups: list[dict[str, Any]]) -> None:
         """Fill in what param groups of older state dicts lack."""
 
+    def check_prior(self, group: dict[str, Any], strength: float) -> None:
+        """Raise ValueError, naming the fix, if a step of ``group`` cannot take the pull of a
+        posterior prior of ``strength`` stably (none by default: a learned scale sets it)."""
+
     def init_state(self, group: dict[str, Any], p: Tensor) -> dict[str, Tensor]:
         """Initial ``{"element", "momentum"}`` of ``p`` (state dtype, p's device)."""
         raise NotImplementedError

@@ -23,6 +23,7 @@ from liegroup_blr.groups import (
     LieGroup,
     MultiplicativeGroup,
 )
+from liegroup_blr.optim.checks import REQUIRED
 from tests.shared import DTYPE, FACTORIES, closure_for, make_problem, snapshot
 
 
@@ -393,10 +394,10 @@ def test_data_size_is_required_where_the_default_temperature_divides_by_it(kind)
     cls = {"multiplicative": lgb.MultiplicativeBLR, "affine": lgb.AffineBLR}[kind]
     data_size = inspect.signature(cls).parameters["data_size"]
     assert data_size.kind is inspect.Parameter.KEYWORD_ONLY
-    assert data_size.default is inspect.Parameter.empty
+    assert data_size.default is REQUIRED  # a missing one says what it means
     rates = {"lr": 0.1, "scale_lr": 0.1} if kind == "affine" else {"lr": 0.1}
-    with pytest.raises(TypeError, match="data_size"):
-        cls([nn.Parameter(torch.ones(3))], **rates)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="data_size is required: N, the number of training"):
+        cls([nn.Parameter(torch.ones(3))], **rates)
     opt = cls([nn.Parameter(torch.ones(3))], **rates, data_size=None, temperature=0.0)
     assert opt.param_groups[0]["data_size"] is None
 
