@@ -22,7 +22,7 @@ from typing_extensions import Unpack
 
 from ..groups import AdditiveGroup
 from .base import BLROptimizer
-from .checks import check_momentum, former_positional
+from .checks import check_momentum, former_positional, required
 from .kernel_utils import compiled, momentum
 from .options import EngineOptions
 from .rule import Rule
@@ -82,7 +82,7 @@ class AdditiveBLR(BLROptimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
-        lr: float,
+        lr: float | None = None,
         momentum: float = 0.9,
         base: Distribution | None = None,
         *deprecated: Any,
@@ -94,6 +94,10 @@ class AdditiveBLR(BLROptimizer):
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
+        required(
+            "AdditiveBLR",
+            lr=(lr, "the step size α of the mean m (0.05 with momentum 0.9 is a start)"),
+        )
         data_size, temperature, prior_precision, mc_samples = former_positional(
             "AdditiveBLR", deprecated, data_size, temperature, prior_precision, mc_samples
         )

@@ -28,7 +28,7 @@ from typing_extensions import Unpack
 from ..fisher import algebra_gradient, inverse_metric
 from ..groups import LieGroup
 from .base import BLROptimizer
-from .checks import check_momentum, former_positional
+from .checks import check_momentum, former_positional, required
 from .kernel_utils import compiled
 from .options import EngineOptions
 from .rule import Rule
@@ -122,7 +122,7 @@ class LieGroupBLR(BLROptimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         group: LieGroup,
         base: Distribution,
-        lr: float,
+        lr: float | None = None,
         momentum: float = 0.9,
         *deprecated: Any,
         data_size: float | None = None,
@@ -135,6 +135,7 @@ class LieGroupBLR(BLROptimizer):
         point_estimate: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
+        required("LieGroupBLR", lr=(lr, "the step size α of g ← g·exp(−αM)"))
         data_size, temperature, prior_precision, mc_samples = former_positional(
             "LieGroupBLR", deprecated, data_size, temperature, prior_precision, mc_samples
         )

@@ -242,3 +242,18 @@ def test_additive_prior_past_its_stable_step_is_refused():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stable.next_task(data_size=896)  # lr·c = 11 < 38: taken
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ps: lgb.AdditiveBLR(ps, data_size=10),
+        lambda ps: lgb.MultiplicativeBLR(ps, data_size=10),
+        lambda ps: lgb.AffineBLR(ps, data_size=10),
+        lambda ps: lgb.LieGroupBLR(ps, lgb.groups.AdditiveGroup(), Normal(0.0, 0.1), data_size=10),
+    ],
+    ids=["additive", "multiplicative", "affine", "generic"],
+)
+def test_a_missing_lr_says_what_it_means(build):
+    with pytest.raises(TypeError, match=r"BLR: lr is required: the step size|the shift's step"):
+        build([nn.Parameter(torch.ones(3))])
