@@ -47,6 +47,7 @@ from torch.func import functional_call, grad, jacrev
 from tqdm import tqdm
 
 from experiments import cli, runfiles
+from experiments.skeleton import seed_everything
 
 DELTA, TAU, BATCH = 25.0, 1.0, 50
 """The prior precision, temperature and batch size of every run."""
@@ -66,9 +67,9 @@ CASES = ("readme", "digits", "mnist5k")
 # ------------------------------------------------------------------------------- cases
 def readme_case() -> tuple[Tensor, Tensor, Callable[[], nn.Module]]:
     """The README's example: 1,000 20-dimensional inputs, 3 classes from a random linear map."""
-    torch.manual_seed(0)
-    inputs = torch.randn(1200, 20)
-    labels = (inputs @ torch.randn(20, 3)).argmax(-1)
+    generator = torch.Generator().manual_seed(0)  # the README's torch.manual_seed(0)
+    inputs = torch.randn(1200, 20, generator=generator)
+    labels = (inputs @ torch.randn(20, 3, generator=generator)).argmax(-1)
     return inputs[:1000], labels[:1000], lambda: mlp(20, 64, 3)
 
 
@@ -134,7 +135,7 @@ def train(
     at: Callable[[int, Any, nn.Module], None],
 ) -> tuple[Any, nn.Module]:
     """``passes`` passes of the ``kind`` optimizer, calling ``at(pass, opt, model)`` after each."""
-    torch.manual_seed(seed)
+    seed_everything(seed)
     model = make()
     opt = optimizer(model, kind, len(y), seed)
     order = torch.Generator().manual_seed(seed)
@@ -270,7 +271,7 @@ def entropy_push(passes: int = 10, seed: int = 1) -> dict[str, dict[str, float]]
     for name, (lr, tau, build) in rules.items():
         logs = []
         for t in (tau, 0.0):
-            torch.manual_seed(seed)
+            seed_everything(seed)
             model = make()
             opt = build(model.parameters(), t)
             order = torch.Generator().manual_seed(seed)
@@ -313,7 +314,7 @@ def measure(cases: str, seeds: str, out: Path | None, entropy: bool = False) -> 
     """Every case and seed; writes ``config.json`` and ``results.json`` into ``out``
     (with ``entropy``, :func:`entropy_push` alone, written nowhere)."""
     if entropy:
-        torch.set_num_threads(1)
+        seed_everything(0, threads=1)
         return {"entropy": entropy_push()}
     names = [c for c in cases.split(",") if c]
     unknown = sorted(set(names) - set(CASES))
@@ -336,7 +337,7 @@ def measure(cases: str, seeds: str, out: Path | None, entropy: bool = False) -> 
         "threads": 1,
     }
     runfiles.write_json(out / "config.json", config)
-    torch.set_num_threads(1)
+    seed_everything(seed_list[0], threads=1)
     per: dict[str, dict[str, Any]] = {}
     jobs = [(c, s) for c in names for s in seed_list]
     with warnings.catch_warnings():

@@ -230,7 +230,10 @@ def _eager_update(kind, g, mom, acc, p, sample, hp):
         affine_momentum_(
             [acc], [mom], [g], n=hp["n"], betas=betas, offset=-hp["shift"], sample=sample
         )
-        affine_move_([g], [acc], [torch.empty_like(g)], lr=hp["lr"], scale_lr=hp["scale_lr"])
+        affine_move_(
+            [g], [acc], [torch.empty_like(g)], lr=hp["lr"], scale_lr=hp["scale_lr"],
+            growth=hp["growth"],
+        )  # fmt: skip
         affine_readout_([p], [g], mean=hp["mean"])
 
 
@@ -256,6 +259,7 @@ def _functional_update(kind, g, mom, acc, spare, p, sample, hp):
         [],
         betas=(0.9, hp["beta"]),
         scale_lr=torch.tensor(hp["scale_lr"], dtype=DTYPE),
+        growth=torch.tensor(hp["growth"], dtype=DTYPE),
         **common,
     )
 
@@ -264,12 +268,14 @@ def _functional_update(kind, g, mom, acc, spare, p, sample, hp):
 @pytest.mark.parametrize("kind", ["additive", "multiplicative", "affine"])
 @pytest.mark.parametrize("n, deferred", [(1, False), (3, False), (1, True)])
 @pytest.mark.parametrize("mean", [None, 1.3])
-def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean):
+@pytest.mark.parametrize("growth", [math.inf, 2e-3], ids=["unbounded", "bounded"])
+def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean, growth):
     """``*_update`` (what compile=True runs, here uncompiled) writes the momentum, the moved
     element (into a spare, the element left as it was) and θ as the eager kernels do in
-    place, and returns the momentum's sums."""
+    place, and returns the momentum's sums; the affine scale's growth bound (``scale_step``)
+    as the eager move applies it, where it binds and where it does not."""
     g, mom, acc, noise, grad = _update_inputs(kind, n, torch.Generator().manual_seed(5))
-    hp = dict(n=n, lr=0.3, scale_lr=0.05, beta=0.8, shift=0.02, mean=mean)
+    hp = dict(n=n, lr=0.3, scale_lr=0.05, beta=0.8, shift=0.02, mean=mean, growth=growth)
     sample = ([noise], [grad]) if deferred else None
     eager_acc, eager_g, eager_p = acc.clone(), g.clone(), torch.empty(SHAPE, dtype=DTYPE)
     _eager_update(kind, eager_g, mom, eager_acc, eager_p, sample, hp)
@@ -280,6 +286,9 @@ def test_compiled_form_update_equals_propose_then_commit(kind, n, deferred, mean
     torch.testing.assert_close(p, eager_p)
     torch.testing.assert_close(total, acc.sum())
     assert torch.equal(g, before)
+    if kind == "affine" and growth < math.inf:  # the bound binds for some entries, not all
+        exponent = -hp["scale_lr"] * acc[0]
+        assert (exponent > growth).any() and (exponent < growth).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
