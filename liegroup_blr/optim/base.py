@@ -47,6 +47,10 @@ POINT_ESTIMATES = ("g", "mean")
 """Where the point estimate is read: at the group's reference point ξ₀, or at E[ξ]."""
 
 
+GROUP_KEYS = ("lr", "momentum", "base", "data_size", "temperature", "prior_precision")
+"""The hyperparameters every rule's param groups hold (:class:`BLROptimizer`'s ``defaults``)."""
+
+
 class BLROptimizer(Optimizer):
     r"""The torch optimizer of a Lie-group rule: param groups, state, step and state dicts.
 
@@ -183,6 +187,12 @@ class BLROptimizer(Optimizer):
         G = options.get("group", self._rule.lie_group)
         if not isinstance(G, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {G!r}")
+        missing = [k for k in GROUP_KEYS if k not in options]
+        if missing:
+            raise ValueError(
+                f"defaults: missing {', '.join(missing)}; a param group of every rule needs "
+                f"{', '.join(GROUP_KEYS)} (and its rule's own)"
+            )
         if "weight_decay" in options:  # Hugging Face's groups carry one
             check_number(options, "weight_decay", 0.0)
         check_hyperparameters(
@@ -683,6 +693,7 @@ class BLROptimizer(Optimizer):
                 state_dict = result
         extras = {k: state_dict.pop(k) for k in ENGINE_KEYS if k in state_dict}
         self._check_rules(state_dict["param_groups"])
+        self._check_shapes(state_dict)
         state_dict["param_groups"] = [
             {k: v for k, v in g.items() if k != "rule"} for g in state_dict["param_groups"]
         ]
@@ -711,6 +722,25 @@ class BLROptimizer(Optimizer):
         self._writes.mark()
         for post_hook in post_hooks.values():
             post_hook(self)
+
+    def _check_shapes(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a saved state whose element does not fit its parameter here (a state dict of
+        another architecture), naming the parameter and both shapes."""
+        saved_states = state_dict.get("state", {})
+        for i, (saved, live) in enumerate(
+            zip(state_dict["param_groups"], self.param_groups, strict=False)
+        ):
+            G = self._rule.group_of(live)
+            for key, p in zip(saved["params"], live["params"], strict=False):
+                element = saved_states.get(key, {}).get("element")
+                if element is None or element.shape == G.element_shape(p.shape):
+                    continue
+                raise ValueError(
+                    f"state_dict: {self._engine.param_name(i, p)} has shape {tuple(p.shape)} "
+                    f"here, but its saved state is for shape "
+                    f"{tuple(G.param_shape(element.shape))}: load a state dict saved for this "
+                    "model's architecture"
+                )
 
     def _check_rules(self, saved_groups: list[dict[str, Any]]) -> None:
         """Refuse param groups saved by another rule or group."""

@@ -579,7 +579,7 @@ class Engine:
     def skip_fix(self) -> str:
         """The likely fixes of a diverged run, as its error names them."""
         scale = any("scale_lr" in group for group in self.optimizer.param_groups)
-        rates = "lr or the scale's step (scale_lr)" if scale else "lr"
+        rates = "lr or the scale's step (scale_step or scale_lr)" if scale else "lr"
         return (
             f"Lower {rates}, or widen the prior: one much narrower than the data allows (a "
             "large prior_precision, or a posterior from next_task/set_prior: lower its "
