@@ -219,15 +219,28 @@ def _check_type(where: str, value: Any, default: Any) -> None:
     if isinstance(value, bool) and kind is not bool:
         expected = ()
     if not isinstance(value, expected):
-        raise ConfigError(f"{where} must be of type {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{where} must be {_type_words(default, kind)}, got {value!r}")
     if isinstance(default, (list, tuple)) and default and isinstance(value, (list, tuple)):
         for i, item in enumerate(value):  # entries typed as the default's
             _check_type(f"{where}[{i}]", item, default[0])
 
 
+def _type_words(default: Any, kind: type) -> str:
+    """What TOML value a default's type asks for, in words ("a list of integers")."""
+    words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if isinstance(default, (list, tuple)):
+        item = words.get(type(default[0]), "values") if default else "values"
+        plural = {"an integer": "integers", "a number": "numbers", "a string": "strings"}
+        return f"a list of {plural.get(item, item)}"
+    return words.get(kind, f"of type {kind.__name__}")
+
+
 def _choice(where: str, name: Any, valid: Mapping[str, Any] | tuple[str, ...]) -> None:
     if name not in valid:
-        raise ConfigError(f"unknown {where} {name!r}; valid choices: {sorted(valid)}")
+        raise ConfigError(
+            f"unknown {where} {name!r}{_did_you_mean([str(name)], valid)}; valid choices: "
+            f"{sorted(valid)}"
+        )
 
 
 def check_keys(raw: Mapping[str, Any], keys: set[str]) -> None:

@@ -148,12 +148,31 @@ def check_run_folder(out: Path, resume: bool, ckpt: Path, progress: str) -> None
 
 
 def check_same_config(out: Path, cfg: dict[str, Any], resume: bool) -> None:
-    """On ``resume``, the resolved ``cfg`` must be the one the run in ``out`` trained with."""
-    if resume and (out / CONFIG).exists() and runfiles.read_json(out / CONFIG) != cfg:
+    """On ``resume``, the resolved ``cfg`` must be the one the run in ``out`` trained with;
+    the error names the keys that differ, with both values."""
+    if not (resume and (out / CONFIG).exists()):
+        return
+    saved = runfiles.read_json(out / CONFIG)
+    if saved != cfg:
+        changes = config_changes(saved, cfg)
+        shown = "; ".join(f"{key}: {old!r} then, {new!r} now" for key, old, new in changes[:5])
+        more = f" and {len(changes) - 5} more" if len(changes) > 5 else ""
         raise ConfigError(
-            f"the config differs from the one {out} was trained with ({out / CONFIG}); "
-            "resume with that config or train into another folder"
+            f"the config differs from the one {out} was trained with ({out / CONFIG}): "
+            f"{shown}{more}; resume with that config or train into another folder"
         )
+
+
+def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """The dotted keys whose values differ between two configs, with both values (a key one
+    of them lacks shows as ``None`` there)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            out += config_changes(old.get(key), new.get(key), path)
+        return out
+    return [] if old == new else [(prefix, old, new)]
 
 
 def clear(out: Path) -> None:
