@@ -693,7 +693,8 @@ class BLROptimizer(Optimizer):
                 state_dict = result
         extras = {k: state_dict.pop(k) for k in ENGINE_KEYS if k in state_dict}
         self._check_rules(state_dict["param_groups"])
-        self._check_shapes(state_dict)
+        if self._engine.shards.mesh_param is None:  # a shard's state has the shard's shape
+            check_saved_shapes(state_dict, self.param_groups, self._rule, self._engine)
         state_dict["param_groups"] = [
             {k: v for k, v in g.items() if k != "rule"} for g in state_dict["param_groups"]
         ]
@@ -723,25 +724,6 @@ class BLROptimizer(Optimizer):
         for post_hook in post_hooks.values():
             post_hook(self)
 
-    def _check_shapes(self, state_dict: dict[str, Any]) -> None:
-        """Refuse a saved state whose element does not fit its parameter here (a state dict of
-        another architecture), naming the parameter and both shapes."""
-        saved_states = state_dict.get("state", {})
-        for i, (saved, live) in enumerate(
-            zip(state_dict["param_groups"], self.param_groups, strict=False)
-        ):
-            G = self._rule.group_of(live)
-            for key, p in zip(saved["params"], live["params"], strict=False):
-                element = saved_states.get(key, {}).get("element")
-                if element is None or element.shape == G.element_shape(p.shape):
-                    continue
-                raise ValueError(
-                    f"state_dict: {self._engine.param_name(i, p)} has shape {tuple(p.shape)} "
-                    f"here, but its saved state is for shape "
-                    f"{tuple(G.param_shape(element.shape))}: load a state dict saved for this "
-                    "model's architecture"
-                )
-
     def _check_rules(self, saved_groups: list[dict[str, Any]]) -> None:
         """Refuse param groups saved by another rule or group."""
         for i, (saved, live) in enumerate(zip(saved_groups, self.param_groups, strict=False)):
@@ -769,3 +751,22 @@ class BLROptimizer(Optimizer):
         state = {k: v for k, v in self.__dict__.items() if not k.endswith("_hooks")}
         state.pop("step", None)  # an lr scheduler's wrapper: it would step the original
         return state
+
+
+def check_saved_shapes(
+    state_dict: dict[str, Any], param_groups: list[dict[str, Any]], rule: Rule, engine: Engine
+) -> None:
+    """Refuse a saved state whose element does not fit its parameter here (a state dict of
+    another architecture), naming the parameter and both shapes."""
+    saved_states = state_dict.get("state", {})
+    for i, (saved, live) in enumerate(zip(state_dict["param_groups"], param_groups, strict=False)):
+        G = rule.group_of(live)
+        for key, p in zip(saved["params"], live["params"], strict=False):
+            element = saved_states.get(key, {}).get("element")
+            if element is None or element.shape == G.element_shape(p.shape):
+                continue
+            raise ValueError(
+                f"state_dict: {engine.param_name(i, p)} has shape {tuple(p.shape)} here, but "
+                f"its saved state is for shape {tuple(G.param_shape(element.shape))}: load a "
+                "state dict saved for this model's architecture"
+            )
