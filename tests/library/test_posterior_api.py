@@ -25,6 +25,7 @@ from liegroup_blr.groups import AdditiveGroup
 from liegroup_blr.memorable import MemorablePast
 from liegroup_blr.memory import loo_nll, memory_map, prediction_variance
 from liegroup_blr.posterior import Posterior
+from tests.shared import closure_for
 
 TAU, N = 0.1, 32
 
@@ -44,14 +45,8 @@ def trained(rule: str, temperature: float = TAU) -> tuple[nn.Module, torch.optim
             params, lr=1.0, data_size=N, temperature=temperature, init="auto", seed=0
         )
 
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
     for _ in range(3):
-        opt.step(closure)
+        opt.step(closure_for(opt, model, x, y))
     return model, opt
 
 
@@ -116,8 +111,7 @@ def test_a_reloaded_posterior_gives_the_optimizers_scores_loo_nll_and_kernel(
         assert torch.equal(ones, each(lgb.sensitivity, opt, temperature=1.0))
         assert not torch.equal(ones, each(lgb.sensitivity, opt))
 
-    kernels = []
-    for source in (opt, post, loaded):
+    def remember(source, **options) -> tuple[torch.Tensor, MemorablePast]:
         memory = MemorablePast(6, "sensitivity", "fromp")
         chosen = memory.add_task(
             model,
@@ -126,22 +120,19 @@ def test_a_reloaded_posterior_gives_the_optimizers_scores_loo_nll_and_kernel(
             targets=y,
             samples=16,
             generator=torch.Generator().manual_seed(0),
+            **options,
         )
+        return chosen, memory
+
+    kernels = []
+    for source in (opt, post, loaded):
+        chosen, memory = remember(source)
         kernels.append((chosen, memory.scores, memory.kernel_inverse))
     for chosen, scores, kernel in kernels[1:]:
         assert torch.equal(chosen, kernels[0][0]) and torch.equal(scores, kernels[0][1])
         assert torch.equal(kernel, kernels[0][2])
     # read at τ = 1, K⁻¹ is 1/τ times this one: the test sees a lost temperature
-    memory = MemorablePast(6, "sensitivity", "fromp")
-    memory.add_task(
-        model,
-        posterior=loaded,
-        inputs=x,
-        targets=y,
-        samples=16,
-        generator=torch.Generator().manual_seed(0),
-        temperature=1.0,
-    )
+    _, memory = remember(loaded, temperature=1.0)
     torch.testing.assert_close(memory.kernel_inverse, kernels[0][2] / TAU, rtol=1e-5, atol=0)
 
 
