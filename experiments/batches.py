@@ -4,6 +4,11 @@ the drivers: it imports nothing of the project."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.batches", __doc__, ("train", "compare")))
+
 from typing import Any
 
 import torch
@@ -21,9 +26,3 @@ class BatchOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None, *, batch: Batch | None = None) -> float:  # type: ignore[override]
         """One update on the minibatch ``(x, y)`` of ``model``; returns its loss."""
         raise NotImplementedError
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.batches", __doc__, ("train", "compare")))

@@ -19,6 +19,12 @@ and takes changes to runs that have not finished (a started one starts again fro
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.compare"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import contextlib
 import statistics
 import sys
@@ -29,8 +35,8 @@ from typing import Any
 
 import torch
 
-from experiments import cli, distributed, figures, runfiles, skeleton
 from experiments import config as config_module
+from experiments import distributed, figures, runfiles, skeleton
 from experiments import train as train_module
 from experiments.ood import SHIFTS
 from experiments.skeleton import CHECKPOINT
@@ -318,7 +324,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.compare", __doc__, compare, _show, argv, cli.parse_seeds)
+    return cli.run(PROG, __doc__, compare, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

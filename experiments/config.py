@@ -8,6 +8,11 @@ tables, each merged over the shared tables to give one run config.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.config", __doc__, ("train", "compare", "tune")))
+
 import copy
 import difflib
 import json
@@ -528,9 +533,3 @@ def load(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a table of settings, got {type(raw).__name__}")
     return raw
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.config", __doc__, ("train", "compare", "tune")))

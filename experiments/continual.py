@@ -47,6 +47,12 @@ that trained, and the report names the diverged seeds.
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.continual"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import dataclasses
 import functools
 import math
@@ -66,10 +72,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, continual_report, loop, runfiles, skeleton
 from experiments import config as config_module
+from experiments import continual_report, loop, runfiles, skeleton
 from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
-from experiments.data import DATASETS, Dataset, load_dataset, validation_split
+from experiments.data import DATASETS, Dataset, check_finite, load_dataset, validation_split
 from experiments.evaluate import posterior_mean
 from experiments.ewc import OnlineEWC, diagonal_fisher
 from experiments.loop import DivergedError, Divergence
@@ -307,12 +313,7 @@ def build(cfg: dict[str, Any]) -> Learner:
     tasks = [
         task.to(device) for task in build_stream(s["name"], data, s["tasks"], s["heads"], seed)
     ]
-    for task in tasks:
-        if len(task.train_y) < t["batch_size"]:
-            raise ConfigError(
-                f"[train].batch_size {t['batch_size']} exceeds the {len(task.train_y)} training "
-                f"examples of task {task.name!r}: no step would run"
-            )
+    _check_tasks(tasks, t["batch_size"], data.eval_set)
     masks = torch.stack([column_mask(task.classes, data.num_classes) for task in tasks])
     columns = torch.tensor([task.classes for task in tasks], device=device)
     model = MLP(data.input_shape, data.num_classes, m["widths"], m["activation"]).to(device)
@@ -331,6 +332,19 @@ def build(cfg: dict[str, Any]) -> Learner:
     masks = masks.to(device)
     parts = (model, optimizer, scheduler, generator, ewc, memory, data.eval_set)
     return Learner(cfg, tasks, masks, columns, *parts)
+
+
+def _check_tasks(tasks: list[Task], batch_size: int, eval_set: str) -> None:
+    """Every task takes a step per epoch, and its inputs are finite: the error names the
+    first non-finite one by its task and index (the batches are drawn anew every epoch)."""
+    for t, task in enumerate(tasks, 1):
+        if len(task.train_y) < batch_size:
+            raise ConfigError(
+                f"[train].batch_size {batch_size} exceeds the {len(task.train_y)} training "
+                f"examples of task {task.name!r}: no step would run"
+            )
+        check_finite(task.train_x, f"task {t} training")
+        check_finite(task.test_x, f"task {t} {eval_set}")
 
 
 def _posterior(optimizer: torch.optim.Optimizer, model: nn.Module) -> lgb.Posterior:
@@ -721,9 +735,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run(
-        "python -m experiments.continual", __doc__, continual, _show, argv, cli.parse_seeds
-    )
+    return cli.run(PROG, __doc__, continual, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

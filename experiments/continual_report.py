@@ -16,6 +16,11 @@ learning task j (tasks 0 … T − 1). From it:
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.continual_report", __doc__, ("continual",)))
+
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -378,9 +383,3 @@ def report(
 def _sizes(sizes: Sequence[int]) -> str:
     low, high = min(sizes), max(sizes)
     return f"{low:,}" if low == high else f"{low:,}–{high:,}"
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.continual_report", __doc__, ("continual",)))

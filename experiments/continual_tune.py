@@ -20,13 +20,19 @@ resolved run config.
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.continual_tune"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import cli, continual, tune
+from experiments import continual, tune
 from experiments.config import ConfigError
 from experiments.tables import LEFT, RIGHT, markdown
 
@@ -105,7 +111,7 @@ def report(results: dict[str, Any], metric: str, estimate: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     return cli.run(
-        "python -m experiments.continual_tune",
+        PROG,
         __doc__,
         continual_tune,
         tune.show,

@@ -13,6 +13,11 @@ Still, fill the data folder only from the datasets' official archives.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.data", __doc__, ("train", "compare")))
+
 import dataclasses
 import functools
 import gzip
@@ -386,6 +391,11 @@ def random_crop_flip(x: Tensor, generator: torch.Generator, padding: int = 4) ->
     return torch.where(flip[:, None, None, None], crops.flip(-1), crops)
 
 
+def _epoch_order(data: Dataset, generator: torch.Generator) -> Tensor:
+    """The order of the training examples in an epoch, the first draw from ``generator``."""
+    return torch.randperm(len(data.train_y), generator=generator)
+
+
 def train_batches(
     data: Dataset,
     batch_size: int,
@@ -398,13 +408,69 @@ def train_batches(
     All randomness (order, crops, flips) comes from ``generator``, so saving its state
     at an epoch boundary makes the data stream resumable.
     """
-    order = torch.randperm(len(data.train_y), generator=generator)
+    order = _epoch_order(data, generator)
     for start in range(0, len(order) - batch_size + 1, batch_size):
         idx = order[start : start + batch_size]
         x = data.to_unit(data.train_x[idx])
         if augment:
             x = random_crop_flip(x, generator)
         yield data.normalize(x.to(device)), data.train_y[idx].to(device)
+
+
+class NonFiniteInputError(ValueError):
+    """An input that holds NaN or an infinity, refused before any step trains on it."""
+
+
+def check_finite(
+    x: Tensor,
+    split: str,
+    batch_size: int | None = None,
+    order: Tensor | None = None,
+    drop_last: bool = False,
+) -> None:
+    """Refuse the inputs ``x`` if one holds NaN or an infinity, at once for integer pixels
+    (which never do): the error names the first in the batches of ``batch_size`` taken in
+    ``order`` (default: their own; ``drop_last``: the last partial batch is left out), its
+    index in ``x``, its batch (None: not named) and the fix. One pass over ``x``."""
+    if not x.is_floating_point():
+        return
+    order = torch.arange(len(x)) if order is None else order
+    bad = torch.nonzero(~torch.isfinite(x.flatten(1)).all(1)[order])
+    if len(bad):
+        position = int(bad[0])
+        index = int(order[position])
+        where = "" if batch_size is None else _batch(position, batch_size, len(x), drop_last)
+        what = "NaN" if bool(x[index].isnan().any()) else "an infinity"
+        raise NonFiniteInputError(
+            f"{split} input {index}{where} holds {what}; clean or impute the data"
+        )
+
+
+def _batch(position: int, batch_size: int, size: int, drop_last: bool) -> str:
+    """`` (in batch B)``: the batch of ``batch_size`` of ``size`` examples that holds the one
+    at ``position``, or the last partial batch, which ``drop_last`` leaves out."""
+    batch = position // batch_size + 1
+    if drop_last and batch > size // batch_size:
+        return " (in the partial batch the epoch leaves out)"
+    return f" (in batch {batch})"
+
+
+def check_inputs(
+    data: Dataset, batch_size: int, test_batch_size: int, generator: torch.Generator
+) -> None:
+    """Refuse ``data`` if an input holds NaN or an infinity, before any step: the first in
+    the training batches of ``batch_size`` in the order :func:`train_batches` draws from
+    ``generator`` (which it draws), else in those of the evaluation set
+    (:func:`check_finite`)."""
+    order = _epoch_order(data, generator)
+    check_finite(_unit(data, data.train_x), "training", batch_size, order, drop_last=True)
+    check_finite(_unit(data, data.test_x), data.eval_set, test_batch_size)
+
+
+def _unit(data: Dataset, x: Tensor) -> Tensor:
+    """Floating-point inputs ``x`` as :meth:`Dataset.to_unit` gives them (a cast to float32
+    can overflow); integer pixels as they are (no copy)."""
+    return data.to_unit(x) if x.is_floating_point() else x
 
 
 def test_batches(
@@ -418,9 +484,3 @@ def test_batches(
         )
         for i in range(0, len(data.test_y), batch_size)
     ]
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.data", __doc__, ("train", "compare")))

@@ -18,6 +18,11 @@ part of the state) is its own.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.distributed", __doc__, ("train", "compare")))
+
 import gc
 import os
 from collections.abc import Callable
@@ -204,9 +209,3 @@ def leave() -> None:
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.distributed", __doc__, ("train", "compare")))

@@ -30,11 +30,34 @@ right after a backtick (in a code span) is an example, left alone.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from experiments import cli
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: ``summarise FOLDER``, ``write`` or ``check``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.docs_tables",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    summarise = commands.add_parser("summarise", help="a results folder → docs/results/NAME.json")
+    summarise.add_argument("folder", type=Path, help="a driver's output folder")
+    summarise.add_argument("--name", help="the summary's name (default: the folder's)")
+    commands.add_parser("write", help="regenerate the quotes of README.md and docs/")
+    commands.add_parser("check", help="exit 1 if a page's quotes are stale")
+    return parser
+
+
+if __name__ == "__main__" and cli.asks_help():  # before the imports of torch: --help is quick
+    _parser().parse_args()
+
 import re
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from experiments import runfiles
@@ -456,18 +479,7 @@ def stale(root: Path) -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.docs_tables",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    summarise = commands.add_parser("summarise", help="a results folder → docs/results/NAME.json")
-    summarise.add_argument("folder", type=Path, help="a driver's output folder")
-    summarise.add_argument("--name", help="the summary's name (default: the folder's)")
-    commands.add_parser("write", help="regenerate the quotes of README.md and docs/")
-    commands.add_parser("check", help="exit 1 if a page's quotes are stale")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         if args.command == "summarise":
             folder = ROOT / "docs" / "results"

@@ -3,6 +3,11 @@ out-of-distribution detection and figures."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.evaluate", __doc__, ("train", "compare")))
+
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -226,9 +231,3 @@ def plot_first_layer(
             part = parts[key].reshape(filters.shape)
             figures.filter_grid(part[top], paths[-1], f"{title}: {what}", signed=False)
     return paths
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.evaluate", __doc__, ("train", "compare")))

@@ -22,6 +22,11 @@ Laplace approximation's own weight when tasks have equal sizes
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.ewc", __doc__, ("continual",)))
+
 from typing import Any
 
 import torch
@@ -115,9 +120,3 @@ class OnlineEWC:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.fisher = dict(state["fisher"])
         self.anchor = dict(state["anchor"])
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.ewc", __doc__, ("continual",)))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.figures", __doc__, ("train", "compare")))
+
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib import ticker
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.lines import Line2D
@@ -232,6 +238,7 @@ def learning_curves(
         plotted.append((axes[2], "train_loss", 1.0))
         axes[2].set(xlabel="epoch", ylabel="training loss (at the samples)", yscale="log")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]  # tab10
+    curves: dict[str, list[tuple[list[float], np.ndarray]]] = {key: [] for _, key, _ in plotted}
     for i, (label, seeds) in enumerate(histories.items()):
         epochs = [r["epoch"] for r in seeds[0]]
         if any([r["epoch"] for r in rows] != epochs for rows in seeds):
@@ -241,6 +248,7 @@ def learning_curves(
         every = max(1, len(epochs) // 8)
         for ax, key, factor in plotted:
             mean, sd = mean_and_sd([[factor * r[key] for r in rows] for rows in seeds])
+            curves[key].append((epochs, mean))
             ax.plot(
                 epochs,
                 mean,
@@ -255,10 +263,57 @@ def learning_curves(
             ax.fill_between(epochs, mean - sd, mean + sd, color=colour, alpha=0.25, lw=0)
     ax_acc.set(xlabel="epoch", ylabel=f"{eval_set} accuracy (%) at g")
     ax_nll.set(xlabel="epoch", ylabel=f"{eval_set} NLL at g")
+    for ax, key, _ in plotted[:2]:
+        focus_on_later_epochs(ax, curves[key])
     ax_acc.legend()
     fig.suptitle(f"{title}: mean over the seeds; band: mean ± sample standard deviation")
     fig.tight_layout()
     _save(fig, path)
+
+
+FOCUS_FROM = 0.25
+"""The curves' panels are scaled to the epochs after this fraction of the run (the first
+epochs, far from the rest, would flatten the region where the rules differ)."""
+
+
+def focus_on_later_epochs(
+    ax: plt.Axes, curves: Sequence[tuple[Sequence[float], np.ndarray]]
+) -> None:
+    """Scale ``ax``'s y-axis to the ``curves`` ((epochs, mean) per run) after the first
+    :data:`FOCUS_FROM` of each, padded by a tenth, where their whole range is over 1.5 times
+    that; the epochs where a mean falls outside are then named on the panel ("curves above
+    the panel at epochs 1–6")."""
+    if not curves:
+        return
+    every = np.concatenate([mean for _, mean in curves])
+    later = np.concatenate([mean[math.ceil(FOCUS_FROM * len(mean)) :] for _, mean in curves])
+    if later.size == 0 or np.ptp(every) <= 1.5 * np.ptp(later):
+        return
+    pad = 0.1 * max(np.ptp(later), 1e-12)
+    low, high = later.min() - pad, later.max() + pad
+    ax.set_ylim(low, high)
+    outside = sorted(
+        {e for epochs, m in curves for e, v in zip(epochs, m, strict=True) if not low <= v <= high}
+    )
+    where = "below" if every.max() <= high else "above" if every.min() >= low else "outside"
+    ax.text(
+        0.98,
+        0.02 if where == "below" else 0.98,
+        f"curves {where} the panel at epoch{'s' if len(outside) > 1 else ''} {_span(outside)}",
+        transform=ax.transAxes,
+        ha="right",
+        va="bottom" if where == "below" else "top",
+        fontsize=8,
+        color="0.3",
+    )
+
+
+def _span(epochs: Sequence[float]) -> str:
+    """``1–6`` for consecutive (whole) epochs, else the list: ``1, 2, 5``."""
+    whole = [int(e) for e in epochs]
+    if whole == list(range(whole[0], whole[-1] + 1)) and len(whole) > 2:
+        return f"{whole[0]}–{whole[-1]}"
+    return ", ".join(str(e) for e in whole)
 
 
 def _digit(ax: plt.Axes, image: np.ndarray, caption: str, marked: bool) -> None:
@@ -377,6 +432,7 @@ def error_variance_map(
     ax.axvline(e_bound, color="k", ls="--", lw=1, label=f"error boundary ({e_bound:g})")
     ax.axhline(v_bound, color="k", ls=":", lw=1, label=f"variance boundary ({v_bound:.3g})")
     ax.set(xscale="log", yscale="log", title=title)
+    plain_log_labels(ax)
     ax.set(xlabel="prediction error ‖eᵢ‖₁", ylabel="prediction variance tr Vᵢ (untempered)")
     x0, x1 = ax.get_xlim()
     ax.set_xlim(min(x0, e_bound / 1.5), max(x1, e_bound * 1.5))  # both sides of the boundary
@@ -396,6 +452,21 @@ def error_variance_map(
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.tight_layout()
     _save(fig, path)
+
+
+class PlainLogFormatter(ticker.LogFormatterSciNotation):
+    """matplotlib's choice of which ticks of a log axis to label, written as plain numbers
+    (0.1, 1, 8, 9, 10) rather than a mix of 10ⁿ and m×10ⁿ."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
+def plain_log_labels(ax: plt.Axes) -> None:
+    """Label both log axes of ``ax`` with :class:`PlainLogFormatter`, major and minor ticks."""
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(PlainLogFormatter())
+        axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
 
 
 REGION_PLACES = {
@@ -477,9 +548,3 @@ def average_accuracy(
     ax.legend(loc="lower left", fontsize="x-small", ncol=1 if len(curves) <= 6 else 2)
     fig.tight_layout()
     _save(fig, path)
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.figures", __doc__, ("train", "compare")))

@@ -28,6 +28,24 @@ average over 32 fresh samples, with the first layer's Hoyer measure and share be
 from __future__ import annotations
 
 import argparse
+
+from experiments import cli
+
+NOISES = ("fresh", "one-draw", "per-sample")
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--widths", type=int, nargs="*", default=[128], help="hidden widths")
+    parser.add_argument("--passes", type=int, default=26)
+    parser.add_argument("--samples", type=int, default=4, help="MC samples per step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise", nargs="+", choices=NOISES, default=list(NOISES))
+
+
+PROG = "python -m experiments.log_g_walk"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, options=_options)
+
 import math
 import sys
 from collections.abc import Sequence
@@ -42,15 +60,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 import liegroup_blr as lgb
-from experiments import cli, loop, skeleton
+from experiments import loop, skeleton
 from experiments.data import load_dataset, test_batches, train_batches
 from experiments.models import build_model
 from experiments.sparsity import first_layer, sparsity
 from experiments.tables import LEFT, RIGHT, markdown
 from liegroup_blr import predictive
 from liegroup_blr.noise import FreshNoise, TableNoise
-
-NOISES = ("fresh", "one-draw", "per-sample")
 
 
 class PerSampleNoise(FreshNoise):
@@ -182,14 +198,6 @@ def _table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return markdown(lead + keys, cells, [LEFT] + [RIGHT] * (len(lead) - 1 + len(keys)))
 
 
-def _options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--widths", type=int, nargs="*", default=[128], help="hidden widths")
-    parser.add_argument("--passes", type=int, default=26)
-    parser.add_argument("--samples", type=int, default=4, help="MC samples per step")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--noise", nargs="+", choices=NOISES, default=list(NOISES))
-
-
 def walk(
     widths: list[int], passes: int, samples: int, seed: int, noise: Sequence[str]
 ) -> dict[str, Any]:
@@ -210,8 +218,7 @@ def show(results: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    prog = "python -m experiments.log_g_walk"
-    return cli.run(prog, __doc__, walk, show, argv, options=_options)
+    return cli.run(PROG, __doc__, walk, show, argv, options=_options)
 
 
 if __name__ == "__main__":

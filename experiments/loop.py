@@ -23,6 +23,11 @@ combines what the processes computed itself (experiments/optimizers.py).
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.loop", __doc__, ("train", "continual")))
+
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -244,9 +249,3 @@ class Trainee:
 
 def _as_is(state: T) -> T:
     return state
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.loop", __doc__, ("train", "continual")))

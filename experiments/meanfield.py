@@ -15,23 +15,23 @@ swaps a sample in, as IVON's does. Needs the peers' environment
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.meanfield", __doc__, ("peers", "compare")))
+
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import optree
+import posteriors
 import torch
+import torchopt
 from torch import Tensor, nn
 from torch.nn.functional import cross_entropy
 
 from experiments.batches import Batch, BatchOptimizer
-
-try:
-    import optree
-    import posteriors
-    import torchopt
-except ImportError:  # python -m experiments.meanfield says what it is without them
-    if __name__ != "__main__":
-        raise
 
 
 class MeanFieldVI(BatchOptimizer):
@@ -138,9 +138,3 @@ class MeanFieldVI(BatchOptimizer):
         self.vi = posteriors.vi.diag.VIDiagState(
             self._means(), log_sd, opt_state, self.vi.nelbo, step
         )
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.meanfield", __doc__, ("peers", "compare")))

@@ -43,6 +43,12 @@ prediction minus the trained one (what converging moves from the trained posteri
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.memory_converged"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import copy
 import dataclasses
 import sys
@@ -58,8 +64,8 @@ from torch.func import functional_call
 from torch.nn.functional import cross_entropy
 
 import liegroup_blr as lgb
-from experiments import cli, memory_influence, memory_map, runfiles, skeleton
 from experiments import config as config_module
+from experiments import memory_influence, memory_map, runfiles, skeleton
 from experiments.memory_map import metrics_on_test, trained
 from experiments.memory_scores import train_inputs
 from experiments.memory_stats import against, aggregate, median_ratio, spearman
@@ -699,9 +705,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run(
-        "python -m experiments.memory_converged", __doc__, converged, _show, argv, cli.parse_seeds
-    )
+    return cli.run(PROG, __doc__, converged, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

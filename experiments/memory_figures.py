@@ -4,6 +4,11 @@ estimated against the true changes."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.memory_figures", __doc__, ("memory_map",)))
+
 from pathlib import Path
 from typing import Any
 
@@ -73,9 +78,3 @@ def scatter(
         for (space, x), symbol in zip(SPACES.items(), "pf", strict=True)
     }
     figures.sensitivity_scatter(panels, path, title)
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.memory_figures", __doc__, ("memory_map",)))

@@ -23,6 +23,11 @@ The memory map itself replaces Σ by the rule's learned covariance divided by τ
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.memory_influence", __doc__, ("memory_converged",)))
+
 import time
 from pathlib import Path
 from typing import Any
@@ -168,9 +173,3 @@ def figure(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.memory_influence", __doc__, ("memory_converged",)))

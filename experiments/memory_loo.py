@@ -25,6 +25,12 @@ the δ each criterion picks, ``picks``; ``summary``, their mean ± sd over seeds
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.memory_loo"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import copy
 import math
 import statistics
@@ -36,8 +42,8 @@ from typing import Any
 import torch
 
 import liegroup_blr as lgb
-from experiments import cli, memory_map, runfiles, skeleton
 from experiments import config as config_module
+from experiments import memory_map, runfiles, skeleton
 from experiments.data import load_dataset
 from experiments.memory_converged import write_docs_summary
 from experiments.memory_map import trained
@@ -309,9 +315,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run(
-        "python -m experiments.memory_loo", __doc__, model_selection, _show, argv, cli.parse_seeds
-    )
+    return cli.run(PROG, __doc__, model_selection, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,12 @@ its trainings run on the loop of :mod:`experiments.loop` (:func:`trained`).
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.memory_map"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import copy
 import sys
 from collections.abc import Callable, Sequence
@@ -54,8 +60,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from experiments import cli, runfiles, skeleton
 from experiments import config as config_module
+from experiments import runfiles, skeleton
 from experiments.data import Dataset, load_dataset
 from experiments.distributed import Processes
 from experiments.evaluate import posterior_mean
@@ -267,13 +273,13 @@ def validate(
     Its trainings continue from their checkpoints whether or not ``resume`` is set (the
     driver's folder check decides); ``progress`` hears of the epochs of both trainings,
     ``title`` names the run in the figures."""
-    seed, desc = cfg["seed"], title
+    seed = cfg["seed"]
+    title = title or f"{cfg['data']['name']}, {cfg['optimizer']['name']}, seed {seed}"
     run = trained(cfg, folder / "train", progress=progress)
     test = metrics_on_test(run, memory["samples"])
     score = _cached(folder / SCORES_FILE, lambda: scores(run, memory, seed))
     top, random = chosen(score["default"], memory["top"], memory["random"], seed)
-    rows = retrain_all(Retrainer(run, memory, seed), top + random, folder / RETRAIN, desc)
-    title = f"{cfg['data']['name']}, {desc}"
+    rows = retrain_all(Retrainer(run, memory, seed), top + random, folder / RETRAIN, title)
     maps(run.data.train_x, score, folder, "", title)
     scatter(score, rows, top, str(memory["retrain_epochs"][-1]), folder / "scatter.png", title)
     summary = {
@@ -424,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {str(err).strip().splitlines()[0]}", file=sys.stderr)
             return 2
         return 0
-    return cli.run(
-        "python -m experiments.memory_map", __doc__, memory_maps, _show, args, cli.parse_seeds
-    )
+    return cli.run(PROG, __doc__, memory_maps, _show, args, cli.parse_seeds)
 
 
 if __name__ == "__main__":

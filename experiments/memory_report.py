@@ -3,6 +3,11 @@ leave-one-out retraining, the floors, and the flipped labels found (mean ± sd o
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.memory_report", __doc__, ("memory_map",)))
+
 from typing import Any
 
 from experiments.memory_scores import BASELINES, RANKINGS
@@ -120,9 +125,3 @@ def _paired(res: dict[str, Any], epoch: str, space: str, baseline: str) -> str:
         a, b = (entry[k][space]["spearman"] for k in ("default", baseline))
         out.append("n/a" if a is None or b is None else f"{a - b:+.3f}")
     return ", ".join(out)
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.memory_report", __doc__, ("memory_map",)))

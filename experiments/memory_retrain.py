@@ -4,6 +4,11 @@ one row per retraining kept as soon as it is done."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.memory_retrain", __doc__, ("memory_map",)))
+
 import copy
 from collections.abc import Callable
 from pathlib import Path
@@ -116,9 +121,3 @@ def retrain_all(
         rows.append({"kind": kind, "index": i, "examples": examples, "epochs": logits})
         runfiles.write_jsonl(path, rows)
     return rows
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.memory_retrain", __doc__, ("memory_map",)))

@@ -4,6 +4,11 @@ the baselines without the estimate; the examples chosen for retraining."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.memory_scores", __doc__, ("memory_map",)))
+
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -100,9 +105,3 @@ def chosen(score: Tensor, top: int, random: int, seed: int) -> tuple[list[int], 
 def region_counts(regions: Tensor) -> dict[str, int]:
     counts = torch.bincount(regions, minlength=len(REGIONS)).tolist()
     return dict(zip(REGIONS, counts, strict=True))
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.memory_scores", __doc__, ("memory_map",)))

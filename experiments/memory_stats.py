@@ -4,6 +4,11 @@ ratios), the flipped labels found, and the summaries merged over seeds."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.memory_stats", __doc__, ("memory_map",)))
+
 import math
 import statistics
 from typing import Any
@@ -213,9 +218,3 @@ def aggregate(values: list[Any]) -> Any:
             "values": values,
         }
     return first if all(v == first for v in values) else values
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.memory_stats", __doc__, ("memory_map",)))

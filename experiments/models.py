@@ -12,6 +12,11 @@ faster, and ResNet-20's step 1.0–1.1× (docs/performance.md): on by default fo
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.models", __doc__, ("train", "compare")))
+
 import inspect
 import itertools
 import math
@@ -228,9 +233,3 @@ def build_model(
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for model {name!r}; valid: {sorted(valid)}")
     return MODELS[name](input_shape, num_classes, **options)
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.models", __doc__, ("train", "compare")))

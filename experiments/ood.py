@@ -8,6 +8,11 @@ is 1 for perfect separation and 0.5 for none.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.ood", __doc__, ("train", "compare")))
+
 from collections.abc import Sequence
 
 import torch
@@ -60,9 +65,3 @@ def shifted_inputs(inputs: Sequence[Tensor], seed: int = 0) -> dict[str, list[Te
         low + (high - low) * torch.rand(x.shape, generator=gen).to(x.device) for x in inputs
     ]
     return shifts
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.ood", __doc__, ("train", "compare")))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.optimizers", __doc__, ("train", "compare")))
+
 import importlib
 import inspect
 import math
@@ -277,9 +282,3 @@ def lr_factor(epoch: int, epochs: int, warmup: int) -> float:
     if epoch < warmup:
         return (epoch + 1) / warmup
     return 0.5 * (1.0 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup)))
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.optimizers", __doc__, ("train", "compare")))

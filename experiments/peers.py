@@ -25,6 +25,12 @@ checkpoints and keeps every finished fit.
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.peers"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import copy
 import importlib.util
 import sys
@@ -37,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from experiments import cli, compare, ood, runfiles, skeleton
+from experiments import compare, ood, runfiles, skeleton
 from experiments import config as config_module
 from experiments.data import test_batches
 from experiments.distributed import Processes
@@ -382,7 +388,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.peers", __doc__, peers, _show, argv, cli.parse_seeds)
+    return cli.run(PROG, __doc__, peers, _show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

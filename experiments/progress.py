@@ -15,6 +15,11 @@ done from the start and their time (an evaluation again) is not measured.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.progress", __doc__, ("compare", "tune")))
+
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -112,9 +117,3 @@ class Progress:
     def line(self) -> str:
         """``runs D/T done, E elapsed, about L left``."""
         return f"runs {len(self.ended)}/{len(self.plan)} done, {self.times()}"
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.progress", __doc__, ("compare", "tune")))

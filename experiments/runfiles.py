@@ -9,6 +9,11 @@ it ends, so a killed run leaves no stale lock.
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.runfiles", __doc__, ("train", "compare")))
+
 import fcntl
 import json
 import math
@@ -134,26 +139,65 @@ def all_finite(tensors: Iterator[torch.Tensor] | list[torch.Tensor]) -> bool:
 def locked(folder: Path) -> Iterator[Path]:
     """Create ``folder`` and hold its lock until the block ends; refuse if another holds it.
 
-    The lock file records the holder's process id, which the refusal names.
+    The lock file records the holder's process id, which the refusal names. A block that
+    fails leaving the folder with nothing but its lock (a failed start) takes back what this
+    call made: the lock file, then the folders it created; a folder that held anything
+    before is left as it was.
     """
     if folder.exists() and not folder.is_dir():
         raise RunError(f"{folder} is a file, not a folder; choose another --out")
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # innermost first
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fd, created = _open_lock(folder / LOCK)
     try:
+        _hold(fd, folder)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise FolderInUseError(
-                f"{folder} is in use by another run (process {holder} holds {folder / LOCK}); "
-                "wait for it to end or choose another --out"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield folder
+            yield folder
+        except BaseException:
+            if not contents(folder):
+                _take_back(folder / LOCK if created else None, made)
+            raise
     finally:
         os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """A descriptor of the lock file ``path``, and whether this call created it."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        return os.open(path, os.O_RDWR), False
+
+
+def _hold(fd: int, folder: Path) -> None:
+    """Lock ``fd``, the lock file of ``folder``, and write this process's id into it; refuse
+    if another process holds it, or took the file back since it was opened (its start
+    failed: the file locked would no longer be the folder's)."""
+    path = folder / LOCK
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        raise FolderInUseError(
+            f"{folder} is in use by another run (process {holder} holds {path}); "
+            "wait for it to end or choose another --out"
+        ) from None
+    if not (path.exists() and os.path.samestat(os.fstat(fd), path.stat())):
+        raise FolderInUseError(f"another run was starting in {folder}; try again")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _take_back(lock: Path | None, made: list[Path]) -> None:
+    """Delete ``lock`` (None: keep the folder's) and the empty folders of ``made``,
+    innermost first, stopping at one that holds anything (another run's start)."""
+    if lock is not None:
+        lock.unlink(missing_ok=True)
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def contents(folder: Path) -> list[str]:
@@ -168,9 +212,3 @@ def remove_leftovers(folder: Path) -> None:
     for path in folder.iterdir():
         if _is_temporary(path.name):
             path.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.runfiles", __doc__, ("train", "compare")))

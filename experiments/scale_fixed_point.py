@@ -34,11 +34,30 @@ folder; ``python -m experiments.docs_tables summarise`` turns it into
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from experiments import cli
+
+CASES = ("readme", "digits", "mnist5k")
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    parser.add_argument("--out", type=Path, help="output folder")
+    parser.add_argument(
+        "--entropy", action="store_true", help="the entropy's push on the other rules instead"
+    )
+
+
+PROG = "python -m experiments.scale_fixed_point"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, options=options)
+
 import copy
 import statistics
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +65,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev
 from tqdm import tqdm
 
-from experiments import cli, runfiles
+from experiments import runfiles
 from experiments.skeleton import seed_everything
 
 DELTA, TAU, BATCH = 25.0, 1.0, 50
@@ -61,7 +80,6 @@ LONG_PASSES = 200
 """The long run that measures σ*."""
 HESSIAN_DRAWS = 8
 """Posterior samples over which the exact Hessian's diagonal is averaged."""
-CASES = ("readme", "digits", "mnist5k")
 
 
 # ------------------------------------------------------------------------------- cases
@@ -369,19 +387,8 @@ def show(found: dict[str, Any]) -> None:
     print(f"written: {found['out']}")
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated cases")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    parser.add_argument("--out", type=Path, help="output folder")
-    parser.add_argument(
-        "--entropy", action="store_true", help="the entropy's push on the other rules instead"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    return cli.run(
-        "python -m experiments.scale_fixed_point", __doc__, measure, show, argv, options=options
-    )
+    return cli.run(PROG, __doc__, measure, show, argv, options=options)
 
 
 if __name__ == "__main__":

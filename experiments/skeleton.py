@@ -19,6 +19,13 @@ after every epoch with every RNG state of :func:`rng_state`, restored by :func:`
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(
+        usage.helper("experiments.skeleton", __doc__, ("train", "compare", "continual"))
+    )
+
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -338,11 +345,3 @@ def run_all(
             done = f"== run {label!r}, seed {seed} done in {time.perf_counter() - tic:.1f}s"
             print(done + (f"; {progress.end((label, seed))}" if main else ""), flush=True)
     return per_seed
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(
-        usage.helper("experiments.skeleton", __doc__, ("train", "compare", "continual"))
-    )

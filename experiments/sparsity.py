@@ -16,6 +16,11 @@ fan-in). Four views, because each alone misleads:
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.sparsity", __doc__, ("train", "compare")))
+
 import math
 
 from torch import Tensor, nn
@@ -68,9 +73,3 @@ def sparsity(weight: Tensor) -> dict[str, float]:
         "near_zero_max": near_zero_fraction(w, NEAR_ZERO_MAX * peak),
         "hoyer": hoyer(weight),
     }
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.sparsity", __doc__, ("train", "compare")))

@@ -14,6 +14,11 @@ multi-head setting of Split MNIST: a head is the pair of columns of its two digi
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    raise SystemExit(usage.helper("experiments.streams", __doc__, ("continual",)))
+
 import math
 from dataclasses import dataclass
 
@@ -135,9 +140,3 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)[:, self.columns]
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    raise SystemExit(usage.helper("experiments.streams", __doc__, ("continual",)))

@@ -3,6 +3,12 @@ so every table has the same header, separator and row lines."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from experiments import usage
+
+    drivers = ("compare", "tune", "continual", "memory_map", "peers")
+    raise SystemExit(usage.helper("experiments.tables", __doc__, drivers))
+
 from collections.abc import Iterable, Sequence
 
 LEFT, RIGHT = "---", "---:"
@@ -24,10 +30,3 @@ def markdown(
 
 def _line(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
-
-
-if __name__ == "__main__":
-    from experiments import usage
-
-    drivers = ("compare", "tune", "continual", "memory_map", "peers")
-    raise SystemExit(usage.helper("experiments.tables", __doc__, drivers))

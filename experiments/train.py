@@ -13,6 +13,12 @@ command trains over processes (experiments/distributed.py).
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.train"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__)
+
 import contextlib
 import json
 import sys
@@ -29,12 +35,13 @@ from torch.nn.functional import cross_entropy
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from experiments import cli, distributed, loop, runfiles, skeleton
 from experiments import config as config_module
+from experiments import distributed, loop, runfiles, skeleton
 from experiments.batches import BatchOptimizer
 from experiments.data import (
     Dataset,
     DatasetNotFoundError,
+    check_inputs,
     load_dataset,
     test_batches,
     train_batches,
@@ -256,7 +263,9 @@ def checkpoint_path(out: Path, processes: Processes) -> Path:
 
 
 def _check_data(cfg: dict[str, Any], data: Dataset, processes: Processes) -> None:
-    """What only the loaded data can tell: every epoch takes at least one step."""
+    """What only the loaded data can tell: every epoch takes at least one step, and every
+    input is finite (the error names the first in the batches of the first epoch,
+    :func:`~experiments.data.check_inputs`)."""
     batch, size = cfg["data"]["batch_size"], len(data.train_y)
     if batch > size:
         raise config_module.ConfigError(
@@ -269,6 +278,8 @@ def _check_data(cfg: dict[str, Any], data: Dataset, processes: Processes) -> Non
             f"[data].batch_size {batch} must be divisible by the {world} processes "
             f"(parallel '{cfg['parallel']}')"
         )
+    first_epoch = torch.Generator().manual_seed(cfg["seed"])  # build's data_rng
+    check_inputs(data, batch, cfg["data"]["test_batch_size"], first_epoch)
 
 
 def _prepare(
@@ -437,7 +448,7 @@ def _show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.train", __doc__, train, _show, argv)
+    return cli.run(PROG, __doc__, train, _show, argv)
 
 
 if __name__ == "__main__":

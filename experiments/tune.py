@@ -18,6 +18,12 @@ experiments.compare.
 
 from __future__ import annotations
 
+from experiments import cli
+
+PROG = "python -m experiments.tune"
+if __name__ == "__main__":  # before the imports of torch: --help is quick
+    cli.answer_help(PROG, __doc__, cli.parse_seeds)
+
 import dataclasses
 import itertools
 import statistics
@@ -27,7 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from experiments import cli, compare, runfiles, skeleton
+from experiments import compare, runfiles, skeleton
 from experiments import config as config_module
 from experiments import train as train_module
 from experiments.tables import LEFT, RIGHT, markdown
@@ -230,7 +236,7 @@ def show(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.run("python -m experiments.tune", __doc__, tune, show, argv, cli.parse_seeds)
+    return cli.run(PROG, __doc__, tune, show, argv, cli.parse_seeds)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ CHECK = """
 import importlib.util, json, sys, torch
 missing = [m for m in sys.argv[2:] if importlib.util.find_spec(m) is None]
 if missing:
-    sys.exit(f"error: cannot import {missing}: add their wheels to WHEELS (pip download)")
+    sys.exit(f"error: cannot import {missing}: add their wheels to WHEELS (see --help)")
 if not torch.cuda.is_available():
     sys.exit("error: torch sees no CUDA device: run on a GPU machine (--dry-run needs none)")
 p = torch.cuda.get_device_properties(0)
@@ -226,7 +226,12 @@ def check(wheels: Path) -> list[str]:
     return problems
 
 
-BUILD = "build it with pip download --no-deps --only-binary=:all: -d WHEELS " + " ".join(WHEELS)
+BUILD = (
+    "build it on a machine with internet with pip download --no-deps --only-binary=:all: "
+    f"--python-version {sys.version_info.major}.{sys.version_info.minor} -d WHEELS "
+    + " ".join(WHEELS)
+)
+"""How to build WHEELS, for the Python that runs this command (wheels are per version)."""
 
 
 def _functions(path: Path) -> set[str]:

@@ -25,6 +25,47 @@ runs parts 1 to 3 on the GPU (parts 4 and 5 measure CPU processes and memory: le
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from experiments import cli
+
+TARGETS: dict[str, tuple[str, dict[str, float]]] = {
+    "resnet20": ("fresh", {"additive": 1.15, "multiplicative": 1.3, "affine": 1.3}),
+    "mlp": ("table", {"additive": 1.3, "multiplicative": 1.5, "affine": 1.5}),
+}
+"""Part 3's models: their noise and each rule's target full step ÷ SGD's."""
+DURATIONS = (
+    "Duration on the project's 2-core CPU machine, one thread, under load: about 32 min in "
+    "full (an estimate; part 3 most of it), 41 s with --quick."
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line; ``--parts`` takes the keys of :data:`PARTS`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmarks.scale",
+        description=__doc__.split("\n\n")[0],
+        epilog=DURATIONS,
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: one round, fewer steps and samples, ResNet-20 at batch 20, one "
+        "thread, nothing compiled, parts 1 to 3 unless --parts names others",
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", type=int, choices=range(1, 6), help="default: all")
+    parser.add_argument(
+        "--models", nargs="+", default=list(TARGETS), choices=list(TARGETS), help="part 3's"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--json", type=Path, help="also write part 3's ratios to this JSON file")
+    return parser
+
+
+if __name__ == "__main__" and cli.asks_help():  # before the imports of torch: --help is quick
+    _parser().parse_args()
+
 import copy
 import dataclasses
 import functools
@@ -35,7 +76,6 @@ import resource
 import statistics
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,13 +223,6 @@ def draw_cost(s: Setup) -> None:
         f"fresh normal_ {fresh * 1e3:.2f} ms, table {cheap * 1e3:.2f} ms: "
         f"{cheap / fresh:.1%} of a fresh draw (target ≤ 25%)"
     )
-
-
-TARGETS: dict[str, tuple[str, dict[str, float]]] = {
-    "resnet20": ("fresh", {"additive": 1.15, "multiplicative": 1.3, "affine": 1.3}),
-    "mlp": ("table", {"additive": 1.3, "multiplicative": 1.5, "affine": 1.5}),
-}
-"""Part 3's models: their noise and each rule's target full step ÷ SGD's."""
 
 
 def full_steps(s: Setup) -> dict[str, dict[str, float]]:
@@ -377,24 +410,7 @@ def cost(part: int, s: Setup) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.benchmarks.scale",
-        description=__doc__.split("\n\n")[0],
-        epilog=DURATIONS,
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: one round, fewer steps and samples, ResNet-20 at batch 20, one "
-        "thread, nothing compiled, parts 1 to 3 unless --parts names others",
-    )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", type=int, choices=list(PARTS), help="default: all")
-    parser.add_argument(
-        "--models", nargs="+", default=list(TARGETS), choices=list(TARGETS), help="part 3's"
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--json", type=Path, help="also write part 3's ratios to this JSON file")
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device; run on a GPU machine")
@@ -411,12 +427,6 @@ def main(argv: list[str] | None = None) -> None:
     results = {p: PARTS[p](s) for p in parts}
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "part 3": results.get(3)}))
-
-
-DURATIONS = (
-    "Duration on the project's 2-core CPU machine, one thread, under load: about 32 min in "
-    "full (an estimate; part 3 most of it), 41 s with --quick."
-)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,23 @@ Run: ``python -m experiments.benchmarks.scale_out [--steps 20 --rounds 5]``.
 from __future__ import annotations
 
 import argparse
+
+from experiments import cli
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.benchmarks.scale_out", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    return parser
+
+
+if __name__ == "__main__" and cli.asks_help():  # before the imports of torch: --help is quick
+    _parser().parse_args()
+
 import os
 import statistics
 import tempfile
@@ -137,12 +154,7 @@ def _run(rank: int, world: int, folder: str, steps: int, rounds: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.benchmarks.scale_out", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = _parser().parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     with tempfile.TemporaryDirectory() as folder:
         _run(0, 1, folder, args.steps, args.rounds)

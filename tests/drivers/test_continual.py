@@ -19,7 +19,7 @@ from torch import nn
 import liegroup_blr as lgb
 from experiments import continual, continual_report, continual_tune, figures, tune
 from experiments.config import ConfigError, load
-from experiments.data import Dataset, load_dataset
+from experiments.data import Dataset, NonFiniteInputError, load_dataset
 from experiments.ewc import OnlineEWC, diagonal_fisher
 from experiments.streams import build_stream, column_mask, permutations, permuted, split
 from experiments.train import DivergedError
@@ -501,9 +501,9 @@ def test_replaying_the_memory_keeps_the_first_task(tmp_path: Path) -> None:
 def test_a_validation_run_never_reads_the_test_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the test images made NaN, a run on the test set fails on its first NaN metric (as
-    diverged, nothing non-finite written); a run with [stream] validation finishes: it
-    evaluates on held-out training examples."""
+    """With the test images made NaN, a run on the test set is refused before its first step,
+    naming the first test input; a run with [stream] validation finishes: it evaluates on
+    held-out training examples."""
     real = continual._dataset
 
     def poisoned(name: str, root: str) -> Dataset:
@@ -511,7 +511,7 @@ def test_a_validation_run_never_reads_the_test_set(
         return dataclasses.replace(data, test_x=torch.full(data.test_x.shape, math.nan))
 
     monkeypatch.setattr(continual, "_dataset", poisoned)
-    with pytest.raises(DivergedError, match="non-finite metrics"):
+    with pytest.raises(NonFiniteInputError, match="task 1 test input 0 holds NaN"):
         continual.run(continual.resolve(smoke(), "finetune", 0), tmp_path / "test")
     raw = smoke(stream={"validation": 1000})
     results = continual.run(continual.resolve(raw, "affine_memory", 0), tmp_path / "held")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import gzip
+import importlib
+import json
 import math
 import pickle
 import runpy
@@ -21,6 +23,7 @@ from PIL import Image
 
 import liegroup_blr as lgb
 from experiments import data, evaluate, models, sparsity, usage
+from experiments.benchmarks import help_time
 from experiments.optimizers import lr_factor
 
 # ----------------------------------------------------------------------------- data
@@ -379,12 +382,10 @@ def test_lr_factor_by_hand() -> None:
 
 
 # ------------------------------------------------------------------------ benchmarks
-@pytest.mark.parametrize("module", ["step_time", "scale", "scale_out"])
+@pytest.mark.parametrize("module", ["step_time", "scale", "scale_out", "help_time"])
 def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) -> None:
     """The benchmarks run only by hand; their imports of the library's kernels and their
     command lines are checked here (``--help`` exits before any timing)."""
-    import importlib
-
     bench = importlib.import_module(f"experiments.benchmarks.{module}")
     monkeypatch.setattr("sys.argv", [module, "--help"])
     with pytest.raises(SystemExit) as exit_:
@@ -456,6 +457,53 @@ def test_a_helper_module_answers_on_the_real_command_line(module: str, driver: s
     assert f"python -m experiments.{driver} CONFIG.toml" in done.stdout
 
 
+# ------------------------------------------------------------------ --help before torch
+HELP = """
+import contextlib, io, json, runpy, sys
+found = {}
+for name in sys.argv[1:]:
+    sys.argv, text, code = [name, "--help"], io.StringIO(), None
+    with contextlib.redirect_stdout(text):
+        try:
+            runpy.run_module(f"experiments.{name}", run_name="__main__", alter_sys=True)
+        except SystemExit as done:
+            code = done.code
+    found[name] = [code, text.getvalue(), [m for m in ("torch", "matplotlib") if m in sys.modules]]
+print(json.dumps(found))
+"""
+"""Runs ``python -m experiments.NAME --help`` for each NAME in one process: NAME → the exit
+status, what it printed and which of torch and matplotlib were imported by then."""
+
+
+def test_the_help_time_benchmark_times_every_command() -> None:
+    names = set(help_time.modules())
+    assert set(usage.DRIVERS) | {"cli", "usage", "docs_tables", "benchmarks.help_time"} <= names
+    assert not any(name.endswith("__init__") for name in names)
+
+
+@pytest.mark.slow
+def test_every_module_answers_help_before_importing_torch(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Issue 50: ``--help`` took 4 s importing torch and matplotlib. Every driver, helper
+    module and benchmark answers before, and a driver's answer is that of its ``main``."""
+    monkeypatch.setenv("COLUMNS", "100")  # argparse's width, here and in the child
+    names = help_time.modules()
+    done = subprocess.run(
+        [sys.executable, "-c", HELP, *names], cwd=EXPERIMENTS.parent, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    for name in names:
+        code, text, heavy = found[name]
+        assert (code, heavy) == (0, []), name
+        assert text.startswith((f"usage: python -m experiments.{name} ", f"experiments.{name}: "))
+        if "cli.answer_help(" in (EXPERIMENTS / f"{name.replace('.', '/')}.py").read_text("utf-8"):
+            with pytest.raises(SystemExit):
+                importlib.import_module(f"experiments.{name}").main(["--help"])
+            assert capsys.readouterr().out == text, name
+
+
 # --------------------------------------------------------------- the reports' point estimates
 @pytest.mark.parametrize("rule", ["additive", "affine", "multiplicative"])
 def test_the_posterior_mean_is_reported_where_it_is_not_g(rule: str) -> None:
@@ -469,7 +517,9 @@ def test_the_posterior_mean_is_reported_where_it_is_not_g(rule: str) -> None:
     optimizer = {
         "additive": lambda: lgb.AdditiveBLR(model.parameters(), lr=0.1),
         "affine": lambda: lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.01, data_size=10),
-        "multiplicative": lambda: lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10),
+        "multiplicative": lambda: lgb.MultiplicativeBLR(
+            model.parameters(), lr=0.1, data_size=10, init="auto"
+        ),
     }[rule]()
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
 

@@ -254,3 +254,53 @@ def test_the_lifelong_figures_come_from_the_docs_summaries(
         ax.get_title().startswith("permuted mnist5k, 10 tasks")
         and "seeds 0, 1, 2" in ax.get_title()
     )
+
+
+def test_learning_curves_scale_to_the_later_epochs_and_name_those_outside(
+    drawn: dict[str, Any],
+) -> None:
+    """First epochs far above the rest (NLL 3 and 0.5 against 0.26–0.33) would flatten the
+    region where the runs differ: the panel covers the epochs after the first quarter and
+    says which lie above it."""
+    nll = [3.0, 0.5, 0.33, 0.31, 0.30, 0.28, 0.27, 0.26]
+    rows = [{"epoch": e, "test_accuracy": 0.9, "test_nll": v} for e, v in enumerate(nll, 1)]
+    figures.learning_curves({"sgd": [rows]}, Path("c.png"), "cfg, seed 0")
+    accuracy, panel = drawn["c.png"].axes
+    low, high = panel.get_ylim()
+    assert low < 0.26 and 0.33 < high < 0.4  # the later epochs fill the panel
+    assert [t.get_text() for t in panel.texts] == ["curves above the panel at epochs 1, 2"]
+    assert list(accuracy.texts) == []  # a flat curve: nothing to focus on
+
+
+def test_learning_curves_keep_the_whole_range_when_no_epoch_stands_apart(
+    drawn: dict[str, Any],
+) -> None:
+    nll = np.linspace(1.0, 0.5, 8)
+    rows = [{"epoch": e, "test_accuracy": 0.9, "test_nll": v} for e, v in enumerate(nll, 1)]
+    figures.learning_curves({"sgd": [rows]}, Path("c.png"), "cfg, seed 0")
+    panel = drawn["c.png"].axes[1]
+    low, high = panel.get_ylim()
+    assert low <= 0.5 and high >= 1.0 and list(panel.texts) == []
+
+
+def test_error_variance_map_labels_its_log_ticks_in_one_plain_format(
+    drawn: dict[str, Any],
+) -> None:
+    """Variances within one decade (7.5–16) get minor tick labels: 8, 9, 10, not 8×10⁰, 10¹."""
+    n = 40
+    error, variance = np.geomspace(0.06, 2.0, n), np.geomspace(7.5, 16.0, n)
+    regions = np.arange(n) % 3
+    figures.error_variance_map(
+        error, variance, np.ones(n), regions, (1.0, 12.0), Path("m.png"), "digits, seed 0"
+    )
+    ax = drawn["m.png"].axes[0]
+    drawn["m.png"].canvas.draw()
+
+    def shown(labels: list[Any], limits: tuple[float, float], along: int) -> list[str]:
+        inside = [t for t in labels if limits[0] <= t.get_position()[along] <= limits[1]]
+        return sorted((t.get_text() for t in inside if t.get_text()), key=float)
+
+    ticks = ax.get_yticklabels() + ax.get_yticklabels(minor=True)
+    assert shown(ticks, ax.get_ylim(), 1) == ["8", "9", "10"]
+    ticks = ax.get_xticklabels() + ax.get_xticklabels(minor=True)
+    assert shown(ticks, ax.get_xlim(), 0) == ["0.1", "1"]

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import compare, data, train, tune
+from experiments import cli, compare, data, distributed, runfiles, train, tune
 from experiments import config as config_module
 from liegroup_blr import predictive
 from tests.shared import tiny_config, with_tables
@@ -331,6 +332,81 @@ def test_a_folder_in_use_is_refused_until_its_run_dies(
     assert_consistent_on_disk(out)
     results = train.train(tiny(), out, resume=True)  # the lock died with its process
     assert_matches_reference(out, results, reference)
+
+
+# ------------------------------------------------------------------------------------ Ctrl-C
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_with_the_command_that_resumes(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """SIGINT after the first checkpoint: exit status 130 and one line, no traceback; the
+    command it names resumes and ends as the uninterrupted run."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "cfg.json", tiny())
+    proc = child(out, "next:checkpoint.pt:1", str(cfg), action="pause")
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    command = f"python -m experiments.train {cfg} --out {out} --resume"
+    assert err.splitlines() == [
+        f"interrupted: {out} keeps its checkpoint after pass 1; resume with: {command}"
+    ]
+    assert train.main(shlex.split(command)[3:]) == 0
+    assert without_times(metrics(out)) == without_times(reference["rows"])
+
+
+def test_ctrl_c_names_the_checkpoints_and_frees_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write_config(tmp_path / "cfg.json", tiny())
+    out, left = tmp_path / "run", []
+    monkeypatch.setattr(distributed, "leave", lambda: left.append(True))
+
+    def runner(raw: dict[str, Any], out: Path, resume: bool, seeds: list[int]) -> dict[str, Any]:
+        with runfiles.locked(out):
+            for label, done in (("sgd", 2), ("adam", 1)):
+                (out / label / "seed0").mkdir(parents=True)
+                torch.save({"epoch": done}, out / label / "seed0" / "checkpoint.pt")
+            raise KeyboardInterrupt
+
+    argv = [str(cfg), "--out", str(out), "--seeds", "0"]
+    assert cli.run("prog", None, runner, print, argv, cli.parse_seeds) == 130
+    assert capsys.readouterr().err == (
+        f"interrupted: {out} keeps the checkpoints of adam/seed0 after pass 1, sgd/seed0 after "
+        f"pass 2; resume with: prog {cfg} --out {out} --seeds 0 --resume\n"
+    )
+    assert left == [True]
+    with runfiles.locked(out):  # released
+        pass
+
+
+def test_ctrl_c_before_anything_is_written_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the folder is made: the command that starts again; a driver without a folder
+    says nothing was written; a torchrun process other than rank 0 says nothing."""
+
+    def interrupt(*args: Any, **options: Any) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    cfg, out = write_config(tmp_path / "cfg.json", tiny()), tmp_path / "run"
+    assert cli.run("prog", None, interrupt, print, [str(cfg), "--out", str(out)]) == 130
+    start = f"prog {cfg} --out {out}"
+    assert (
+        capsys.readouterr().err
+        == f"interrupted; nothing was written to {out}; start again with: {start}\n"
+    )
+    assert cli.run("prog", None, interrupt, print, [], options=lambda parser: None) == 130
+    assert capsys.readouterr().err == "interrupted; nothing was written\n"
+    monkeypatch.setenv("RANK", "1")
+    assert cli.run("prog", None, interrupt, print, [str(cfg), "--out", str(out)]) == 130
+    assert capsys.readouterr().err == ""
 
 
 def test_atomic_writes_from_threads_never_collide(tmp_path: Path) -> None:
