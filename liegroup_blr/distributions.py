@@ -26,7 +26,17 @@ from torch.distributions import (
 )
 from torch.distributions.utils import broadcast_all
 
-__all__ = ["NAMES", "Dirac", "Rayleigh", "check_base", "from_name", "sample_each", "sample_into"]
+__all__ = [
+    "NAMES",
+    "Dirac",
+    "Rayleigh",
+    "check_base",
+    "describe",
+    "from_name",
+    "sample_each",
+    "sample_into",
+    "shortest",
+]
 
 _SampleShape = torch.Size | list[int] | tuple[int, ...]
 _SCALAR = torch.Size()
@@ -195,6 +205,31 @@ def check_base(base: Distribution, positive: bool, name: str = "base") -> Distri
                 f"{type(base).__name__} has support {base.support}"
             )
     return base
+
+
+def shortest(value: Tensor) -> str:
+    """A one-element tensor as the shortest decimal that reads back to it in its dtype:
+    ``0.005`` for float32's 0.004999999888…, ``0.33333334`` for its 1/3."""
+    x = value.item()
+    if not value.is_floating_point() or not math.isfinite(x):
+        return repr(x)
+    texts = (f"{x:.{digits}g}" for digits in range(1, 18))
+    text = next(t for t in texts if torch.tensor(float(t), dtype=value.dtype).item() == x)
+    return repr(float(text))
+
+
+def describe(base: Distribution) -> str:
+    """``repr(base)``, each one-element parameter in torch's repr as :func:`shortest`
+    writes it: ``Normal(loc: 0.0, scale: 0.005)``."""
+    if type(base).__repr__ is not Distribution.__repr__:
+        return repr(base)
+    values = vars(base)
+    shown = (
+        f"{k}: {shortest(v) if v.numel() == 1 else v.size()}"
+        for k in base.arg_constraints
+        if isinstance(v := values.get(k), Tensor)
+    )
+    return f"{type(base).__name__}({', '.join(shown)})"
 
 
 def _work_dtype(out: Tensor) -> torch.dtype:

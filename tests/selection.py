@@ -46,6 +46,7 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_gpu_run_writes_every_parts_status_when_one_fails",
         "test_scale_quick_part_3_prints_the_time_left_and_every_rule",
         "test_step_time_quick_prints_the_time_left_and_every_row",
+        "test_threads_quick_prints_every_setting_and_row",
     ),
     "tests/drivers/test_continual.py": (
         "test_a_diverged_run_is_reported_and_the_others_finish",

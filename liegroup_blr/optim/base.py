@@ -20,9 +20,11 @@ from typing import Any, TypeVar, overload
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributions import Distribution
 from torch.optim import Optimizer
 
 from .._userline import warn
+from ..distributions import describe
 from ..groups import LieGroup
 from ..noise import NoiseSource, noise_source
 from ..posterior import Posterior, PosteriorEntry
@@ -51,6 +53,19 @@ GROUP_KEYS = ("lr", "momentum", "base", "data_size", "temperature", "prior_preci
 """The hyperparameters every rule's param groups hold (:class:`BLROptimizer`'s ``defaults``)."""
 
 
+def optimizer_repr(optimizer: Optimizer) -> str:
+    """``torch.optim.Optimizer``'s repr, each distribution as
+    :func:`~liegroup_blr.distributions.describe` writes it (``scale: 0.005``)."""
+    text = f"{type(optimizer).__name__} ("
+    for i, group in enumerate(optimizer.param_groups):
+        text += f"\nParameter Group {i}\n"
+        for key in sorted(k for k in group if k != "params"):
+            value = group[key]
+            shown = describe(value) if isinstance(value, Distribution) else value
+            text += f"    {key}: {shown}\n"
+    return text + ")"
+
+
 class BLROptimizer(Optimizer):
     r"""The torch optimizer of a Lie-group rule: param groups, state, step and state dicts.
 
@@ -73,6 +88,7 @@ class BLROptimizer(Optimizer):
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
+    __repr__ = optimizer_repr  # torch.optim's, the bases' parameters in their shortest decimals
 
     def __init__(
         self,
@@ -331,12 +347,11 @@ class BLROptimizer(Optimizer):
 
     @contextmanager
     def point_estimate(self) -> Iterator[None]:
-        """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in
-        every parameter the optimizer has trained (frozen ones too) for the block, whatever
-        they hold between steps; on exit they hold what they held before (with
-        ``between_steps="sample"``, the training sample), or what a :meth:`restore` or
-        :meth:`load_state_dict` inside the block wrote (the block holds the new point estimate
-        after it)."""
+        """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in every
+        parameter the optimizer has trained (frozen ones too) for the block, whatever they hold
+        between steps; on exit they hold what they held before (with ``between_steps="sample"``, the
+        training sample), or what a :meth:`restore` or :meth:`load_state_dict` inside the block
+        wrote (the block holds the new point estimate after it)."""
         status = self._engine.status
         if status.block:
             raise RuntimeError(f"point_estimate() cannot be nested inside {status.block}()")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.benchmarks import gpu, scale, step_time
+from experiments.benchmarks import gpu, scale, step_time, threads
 from experiments.config import run_configs
 
 
@@ -60,6 +60,17 @@ def test_step_time_quick_prints_the_time_left_and_every_row(capsys, tmp_path: Pa
     ratio = json.loads((tmp_path / "t.json").read_text())["models"]["digits"]["ratios"]
     t = ratio["student-t ÷ gaussian affine"]
     assert t > 0 and f"student-t ÷ gaussian base, affine rule, full step: {t:.2f}" in out
+    assert step_time.SMOKE in out and "targets:" not in out  # issue 50, item 11
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_only_a_full_run_prints_the_targets(smoke, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(step_time, "_measure", lambda name, s: ({}, {}, 1))
+    monkeypatch.setattr(step_time, "_report", lambda med, nbytes, device: {})
+    countdown = step_time.Countdown("step_time", {"round": 1.0})
+    step_time.run("digits", step_time.Settings(1, 1, "cpu", False, countdown, smoke))
+    out = capsys.readouterr().out
+    assert (step_time.SMOKE in out, step_time.TARGETS in out) == (smoke, not smoke)
 
 
 def test_scale_quick_part_3_prints_the_time_left_and_every_rule(capsys, tmp_path: Path) -> None:
@@ -72,6 +83,28 @@ def test_scale_quick_part_3_prints_the_time_left_and_every_rule(capsys, tmp_path
         assert f"  {rule} " in out
         assert set(ratios) >= {f"{rule}, eager", f"{rule}, eager sample"}
         assert f"{rule}, compiled" not in ratios
+
+
+def test_threads_quick_prints_every_setting_and_row(capsys) -> None:
+    """Issue 50, item 8: one process per setting, a table of every optimizer (no timings
+    checked)."""
+    threads.main(["--quick"])
+    out = capsys.readouterr().out
+    for setting in threads.SETTINGS:
+        assert f"[threads] round 1/1, threads {setting}: " in out
+    assert "== readme: 1,539 parameters, batch 50" in out and "÷ Adam" in out
+    for row in (*threads._makers("readme", 1), threads.CLOSURE):
+        assert f"\n{row} " in out
+    assert out.count("load average") == 2 and out.rstrip().endswith(threads.SMOKE)
+
+
+def test_threads_table_gives_each_row_against_adam_and_one_thread(capsys) -> None:
+    rows = (*threads._makers("readme", 1), threads.CLOSURE)
+    med = {f"{row}@{s}": 2.0 for row in rows for s in threads.SETTINGS}
+    med |= {f"adam@{s}": 1.0 for s in threads.SETTINGS} | {"sgd@2": 8.0, "sgd@2 passive": 3.0}
+    threads.report("readme", med)
+    sgd = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("sgd "))
+    assert sgd.split()[1:] == ["2.00", "2.00", "8.00", "8.00", "3.00", "3.00", "4.00", "1.50"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
@@ -113,6 +146,8 @@ def test_gpu_run_refuses_a_missing_wheel_folder_in_one_line(tmp_path: Path, caps
     assert gpu.main([str(tmp_path / "none"), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not found" in err and "pip download" in err
+    version = f"--python-version {sys.version_info.major}.{sys.version_info.minor} "
+    assert version in err  # wheels are per Python version: the command says which
 
 
 def test_gpu_dry_run_names_each_missing_piece(wheels, monkeypatch) -> None:

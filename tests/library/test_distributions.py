@@ -31,7 +31,17 @@ from torch.distributions import (
     constraints,
 )
 
-from liegroup_blr.distributions import NAMES, Dirac, Rayleigh, check_base, from_name, sample_into
+import liegroup_blr as lgb
+from liegroup_blr.distributions import (
+    NAMES,
+    Dirac,
+    Rayleigh,
+    check_base,
+    describe,
+    from_name,
+    sample_into,
+    shortest,
+)
 
 F64 = torch.float64
 N = 100_000
@@ -284,6 +294,32 @@ def test_from_name_dirac_takes_no_scale() -> None:
 def test_from_name_rejects_non_positive_scale(name: str, scale: float) -> None:
     with pytest.raises(ValueError, match="scale"):
         from_name(name, scale)
+
+
+# ------------------------------------------------------------------ printing
+@pytest.mark.parametrize("value", [0.005, 1 / 3, 0.1, 1e-30, 3e20, 2.0**-149, 0.0, -7.25])
+def test_shortest_is_the_shortest_decimal_that_reads_back(value: float) -> None:
+    """Oracle: numpy's shortest round-trip decimals of float32 and float64; bfloat16 reads
+    back."""
+    assert float(shortest(torch.tensor(value))) == float(str(np.float32(value)))
+    assert shortest(torch.tensor(value, dtype=F64)) == repr(value)
+    half = torch.tensor(value, dtype=torch.bfloat16)
+    assert torch.tensor(float(shortest(half)), dtype=torch.bfloat16) == half
+
+
+def test_a_float32_base_prints_its_shortest_decimals_and_keeps_its_values() -> None:
+    """Issue 50, item 9: torch prints float32's 0.005 as 0.004999999888241291."""
+    base = Normal(0.0, 0.005)
+    assert describe(base) == "Normal(loc: 0.0, scale: 0.005)"
+    assert base.scale.item() == torch.tensor(0.005).item()  # the value is float32's, unchanged
+    assert describe(Normal(0.0, 1 / 3)) == "Normal(loc: 0.0, scale: 0.33333334)"
+    assert float(shortest(torch.tensor(1 / 3))) != 1 / 3  # float32's 1/3, not float64's
+    assert describe(Normal(torch.zeros(3), 1.0)) == repr(Normal(torch.zeros(3), 1.0))
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = lgb.AffineBLR([p], lr=1e-3, scale_lr=1e-5, data_size=60_000)  # the reference's base
+    assert "    base: Normal(loc: 0.0, scale: 0.005)\n" in repr(opt)
+    torch_repr = torch.optim.Optimizer.__repr__(opt)
+    assert torch_repr.replace(f"scale: {torch.tensor(0.005).item()}", "scale: 0.005") == repr(opt)
 
 
 # ------------------------------------------------------------------ check_base
