@@ -110,7 +110,7 @@ def snapshot(opt, model):
 FACTORIES: dict[str, Callable[..., Any]] = {
     "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, **{"lr": 0.1, "data_size": 10, **kw}),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, **{"lr": 0.1, "data_size": 10, **kw}
+        ps, **{"lr": 0.1, "data_size": 10, "init": "auto", **kw}
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(
         ps, **{"lr": 0.1, "scale_lr": 0.01, "data_size": 10, **kw}

@@ -20,7 +20,9 @@ CPU = torch.device("cpu")
 
 
 def make_opt(params, **kw):
-    return lgb.MultiplicativeBLR(params, lr=0.5, data_size=64, temperature=0.2, seed=5, **kw)
+    return lgb.MultiplicativeBLR(
+        params, lr=0.5, data_size=64, temperature=0.2, seed=5, **{"init": "auto", **kw}
+    )
 
 
 def batch_for(x, y, rank, mode):
@@ -93,7 +95,7 @@ def test_two_processes_equal_one_process_with_their_samples_and_noise(tmp_path, 
 DDP_RULES = {
     "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=0.1, base=Normal(0.0, 0.1), **kw),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=0.5, data_size=64, temperature=0.2, **kw
+        ps, lr=0.5, data_size=64, temperature=0.2, **{"init": "auto", **kw}
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=0.1, scale_lr=0.1, data_size=64, **kw),
 }

@@ -30,7 +30,7 @@ RULES = {
         ps, lr=0.1, base=Normal(0.0, 0.1), data_size=64, **kw
     ),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=0.5, data_size=64, temperature=0.2, **kw
+        ps, lr=0.5, data_size=64, temperature=0.2, **{"init": "auto", **kw}
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(ps, lr=0.1, scale_lr=0.1, data_size=64, **kw),
     "generic": lambda ps, **kw: lgb.LieGroupBLR(

@@ -30,7 +30,9 @@ from tests.integrations.training_loops import (
 
 RULES = {
     "additive": lambda p: lgb.AdditiveBLR(p, lr=0.5, base=Normal(0.0, 0.1), **SAMPLE),
-    "multiplicative": lambda p: lgb.MultiplicativeBLR(p, lr=0.5, data_size=64, **SAMPLE),
+    "multiplicative": lambda p: lgb.MultiplicativeBLR(
+        p, lr=0.5, data_size=64, init="auto", **SAMPLE
+    ),
     "affine": lambda p: lgb.AffineBLR(p, lr=0.2, scale_lr=0.05, data_size=64, **SAMPLE),
 }
 SAMPLE: dict[str, Any] = {"between_steps": "sample", "seed": 5}

@@ -506,7 +506,13 @@ def sentences(n: int = BATCH * STEPS) -> list[dict[str, Tensor]]:
 
 def multiplicative(params: Any) -> BLROptimizer:
     return lgb.MultiplicativeBLR(
-        params, lr=0.05, data_size=64, temperature=0.01, seed=2, between_steps="sample"
+        params,
+        lr=0.05,
+        data_size=64,
+        temperature=0.01,
+        seed=2,
+        between_steps="sample",
+        init="auto",
     )
 
 
@@ -514,7 +520,7 @@ def test_multiplicative_default_init_keeps_the_layer_norms_of_a_tiny_bert():
     """Once every LayerNorm weight became exactly 0 (g+ = g- from a permutation of a
     constant tensor) and the network gave every input the same output."""
     model = tiny_bert()
-    lgb.MultiplicativeBLR(model.parameters(), lr=0.05, data_size=64, seed=2)
+    lgb.MultiplicativeBLR(model.parameters(), lr=0.05, data_size=64, seed=2, init="auto")
     norms = [m.weight for m in model.modules() if isinstance(m, nn.LayerNorm)]
     assert norms and all(torch.allclose(w, torch.ones_like(w), atol=1e-4) for w in norms)
     ids = torch.stack([r["input_ids"] for r in sentences(8)])

@@ -397,7 +397,7 @@ class Wrapper:
 
 def test_unwrap_finds_the_optimizer_behind_wrappers_and_functions_use_it():
     model, x, y = make_problem()
-    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=32, seed=0)
+    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=32, seed=0, init="auto")
     wrapped = Wrapper(Wrapper(opt))
     assert lgb.optim.unwrap(wrapped) is opt
     assert lgb.optim.unwrap(torch.optim.SGD(model.parameters(), lr=0.1)) is None
@@ -434,7 +434,8 @@ def test_multiplicative_default_init_keeps_constant_tensors_such_as_layer_norm_w
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     twin = copy.deepcopy(model)
-    lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10, seed=0)
+    with pytest.warns(UserWarning, match=r"init=None \('auto'\) rewrote"):  # the default's
+        lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10, seed=0)
     lgb.MultiplicativeBLR(twin.parameters(), lr=0.1, data_size=10, seed=0, init="reference")
     assert torch.allclose(model[1].weight, torch.ones(8), atol=1e-4)
     assert torch.equal(twin[1].weight, torch.zeros(8))
@@ -452,7 +453,7 @@ COMPILED = {
         ps, lr=0.1, base=torch.distributions.Normal(0.0, 0.05), **kw
     ),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=0.3, data_size=100, temperature=0.5, **kw
+        ps, lr=0.3, data_size=100, temperature=0.5, **{"init": "auto", **kw}
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(
         ps, lr=0.1, scale_lr=0.05, base=torch.distributions.Normal(0.0, 0.05), data_size=100, **kw

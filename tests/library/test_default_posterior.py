@@ -248,7 +248,7 @@ def test_additive_prior_past_its_stable_step_is_refused():
     "build",
     [
         lambda ps: lgb.AdditiveBLR(ps, data_size=10),
-        lambda ps: lgb.MultiplicativeBLR(ps, data_size=10),
+        lambda ps: lgb.MultiplicativeBLR(ps, data_size=10, init="auto"),
         lambda ps: lgb.AffineBLR(ps, data_size=10),
         lambda ps: lgb.LieGroupBLR(ps, lgb.groups.AdditiveGroup(), Normal(0.0, 0.1), data_size=10),
     ],

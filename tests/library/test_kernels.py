@@ -334,7 +334,7 @@ def test_sample_protocol_with_explicit_gradients_equals_the_closure_step(kind):
     make = {
         "additive": lambda ps: lgb.AdditiveBLR(ps, lr=0.1, mc_samples=3, seed=4),
         "multiplicative": lambda ps: lgb.MultiplicativeBLR(
-            ps, lr=0.3, mc_samples=3, data_size=32, temperature=0.5, seed=4
+            ps, lr=0.3, mc_samples=3, data_size=32, temperature=0.5, seed=4, init="auto"
         ),
         "affine": lambda ps: lgb.AffineBLR(
             ps, lr=0.1, scale_lr=0.02, mc_samples=3, data_size=32, prior_precision=1.0, seed=4

@@ -231,7 +231,7 @@ def test_invalid_noise_options_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match=r"^table_size"):
         lgb.AdditiveBLR(p, lr=0.1, noise="table", table_size=0)
     with pytest.raises(ValueError, match=r"^antithetic"):
-        lgb.MultiplicativeBLR(p, lr=0.1, data_size=1, antithetic=True)
+        lgb.MultiplicativeBLR(p, lr=0.1, data_size=1, antithetic=True, init="auto")
     assert symmetric_centre(Rayleigh(1.0)) is None
     assert symmetric_centre(Normal(2.0, 1.0)) == 2.0
 

@@ -71,7 +71,13 @@ def test_multiplicative_dirac_one_no_momentum_is_closed_form_update():
     model, x, y = make_problem()
     lr = 0.5
     opt = lgb.MultiplicativeBLR(
-        model.parameters(), lr=lr, momentum=0.0, base=Dirac(1.0), data_size=None, temperature=0.0
+        model.parameters(),
+        lr=lr,
+        momentum=0.0,
+        base=Dirac(1.0),
+        data_size=None,
+        temperature=0.0,
+        init="auto",
     )
     params = list(model.parameters())
     g_plus = [opt.group_element(p)["g+"] for p in params]
@@ -115,7 +121,13 @@ AGREEMENT_CASES = {
     ),
     "multiplicative": (
         lambda ps: lgb.MultiplicativeBLR(
-            ps, lr=1.0, data_size=32, temperature=0.5, prior_precision=1.0, mc_samples=2
+            ps,
+            lr=1.0,
+            data_size=32,
+            temperature=0.5,
+            prior_precision=1.0,
+            mc_samples=2,
+            init="auto",
         ),
         MultiplicativeGroup(signed=True),
         Rayleigh(1.0),
@@ -123,7 +135,14 @@ AGREEMENT_CASES = {
     ),
     "multiplicative-unsigned": (
         lambda ps: lgb.MultiplicativeBLR(
-            ps, lr=0.3, momentum=0.5, data_size=32, temperature=0.2, signed=False, mc_samples=2
+            ps,
+            lr=0.3,
+            momentum=0.5,
+            data_size=32,
+            temperature=0.2,
+            signed=False,
+            mc_samples=2,
+            init="auto",
         ),
         MultiplicativeGroup(signed=False),
         Rayleigh(1.0),
@@ -317,6 +336,7 @@ def test_unsigned_multiplicative_converges_to_closed_form_scale():
             mc_samples=16,
             signed=False,
             init_offset=1e-3,
+            init="auto",
         )
 
     assert_mc_close(quadratic_run(factory, steps=1500)["g"], g_star)
@@ -569,12 +589,14 @@ def test_state_dict_round_trip_continues_bit_identically(kind):
 
 def test_load_state_dict_writes_point_estimate_and_keeps_base():
     model, x, y = make_problem(dtype=torch.float32)
-    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.5, data_size=32)
+    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.5, data_size=32, init="auto")
     train(opt, model, x, y, 3)
     sd = opt.state_dict()
     assert all("base" not in g for g in sd["param_groups"])
     model2, _, _ = make_problem(seed=5, dtype=torch.float32)
-    opt2 = lgb.MultiplicativeBLR(model2.parameters(), lr=0.5, data_size=32, base=Rayleigh(2.0))
+    opt2 = lgb.MultiplicativeBLR(
+        model2.parameters(), lr=0.5, data_size=32, base=Rayleigh(2.0), init="auto"
+    )
     opt2.load_state_dict(sd)
     assert float(opt2.param_groups[0]["base"].scale) == 2.0
     for p, q in zip(model.parameters(), model2.parameters(), strict=True):
@@ -655,7 +677,7 @@ def test_params_hold_point_estimate_outside_sampling_and_samples_inside():
 
 def test_sampled_params_restores_point_estimate_on_error_and_refuses_nesting():
     model, _, _ = make_problem()
-    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10)
+    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10, init="auto")
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(KeyError), opt.sampled_params(train=True):
         raise KeyError("boom")
@@ -713,7 +735,7 @@ def test_parameters_without_grad_are_skipped():
     frozen = nn.Parameter(torch.ones(3, dtype=DTYPE), requires_grad=False)
     unused = nn.Parameter(torch.ones(3, dtype=DTYPE))
     opt = lgb.MultiplicativeBLR(
-        [*model.parameters(), frozen, unused], lr=0.5, data_size=32, temperature=1.0
+        [*model.parameters(), frozen, unused], lr=0.5, data_size=32, temperature=1.0, init="auto"
     )
     assert frozen not in opt.state
     unused_state = {k: v.clone() for k, v in opt.state[unused].items()}
@@ -727,7 +749,9 @@ def test_parameters_without_grad_are_skipped():
 
 def test_multiplicative_point_estimate_mean_is_rayleigh_mean_times_difference():
     model, _, _ = make_problem()
-    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=1, point_estimate="mean")
+    opt = lgb.MultiplicativeBLR(
+        model.parameters(), lr=0.1, data_size=1, point_estimate="mean", init="auto"
+    )
     w = model[0].weight
     parts = opt.group_element(w)
     torch.testing.assert_close(w.detach(), math.sqrt(math.pi / 2) * (parts["g+"] - parts["g-"]))
@@ -738,7 +762,7 @@ def test_multiplicative_initialisation_follows_the_reference():
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(20, 30))
     w0 = w.detach().clone()
-    opt = lgb.MultiplicativeBLR([w], lr=0.1, data_size=1, init_offset=1e-3)
+    opt = lgb.MultiplicativeBLR([w], lr=0.1, data_size=1, init_offset=1e-3, init="reference")
     parts = opt.group_element(w)
     torch.testing.assert_close(parts["g+"], w0.abs() + 1e-3)
     torch.testing.assert_close(
@@ -751,7 +775,7 @@ def test_multiplicative_initialisation_follows_the_reference():
 def test_posterior_samples_have_the_pushforward_distribution():
     """Signed multiplicative with Rayleigh(1): E[θ] = μ(g⁺ − g⁻), Var θ = (2 − π/2)(g⁺² + g⁻²)."""
     w = nn.Parameter(torch.full((200_000,), 0.3, dtype=DTYPE))
-    opt = lgb.MultiplicativeBLR([w], lr=0.1, data_size=1, signed=True)
+    opt = lgb.MultiplicativeBLR([w], lr=0.1, data_size=1, signed=True, init="auto")
     g = opt.state[w]["element"]
     g.copy_(torch.tensor([2.0, 0.5], dtype=DTYPE)[:, None].expand_as(g))
     with opt.sampled_params():

@@ -86,7 +86,13 @@ RULES: dict[str, Callable[[nn.Sequential, str], BLROptimizer]] = {
         seed=1,
     ),
     "multiplicative": lambda m, pe: lgb.MultiplicativeBLR(
-        m.parameters(), lr=0.5, data_size=100, temperature=0.1, point_estimate=pe, seed=1
+        m.parameters(),
+        lr=0.5,
+        data_size=100,
+        temperature=0.1,
+        point_estimate=pe,
+        seed=1,
+        init="auto",
     ),
     "generic": _generic,
 }
@@ -483,7 +489,9 @@ def test_built_in_bases_keep_their_parameters_exactly() -> None:
     """A float64 base scale survives the file as float64 (a float would round it)."""
     model = make_model()
     scale = torch.tensor(0.1234567890123, dtype=torch.float64)
-    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.5, base=Rayleigh(scale), data_size=10)
+    opt = lgb.MultiplicativeBLR(
+        model.parameters(), lr=0.5, base=Rayleigh(scale), data_size=10, init="auto"
+    )
     post = Posterior.from_state_dict(Posterior.from_optimizer(opt, model).state_dict())
     assert torch.equal(post["0.weight"].base.scale, scale)
     assert isinstance(post["0.weight"].group, MultiplicativeGroup)

@@ -15,7 +15,7 @@ from tests.shared import make_problem
 RULES = {
     "additive": lambda ps, **kw: lgb.AdditiveBLR(ps, lr=0.1, **kw),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=0.3, data_size=100, temperature=0.5, **kw
+        ps, lr=0.3, data_size=100, temperature=0.5, **{"init": "auto", **kw}
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(
         ps, lr=0.1, scale_lr=0.05, base=torch.distributions.Normal(0.0, 0.05), data_size=100, **kw

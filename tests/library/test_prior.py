@@ -139,7 +139,7 @@ def test_a_prior_of_strength_w_weights_the_cross_entropy_alone(strength):
     tempered = torch.stack((h[0] / strength**0.5, h[1]))
     torch.testing.assert_close(got[0], 0.25 * kl_gradient(G, base, g, tempered))
 
-    opt = lgb.MultiplicativeBLR([theta], lr=0.1, data_size=10)
+    opt = lgb.MultiplicativeBLR([theta], lr=0.1, data_size=10, init="auto")
     G, base = opt.lie_group, opt.param_groups[0]["base"]
     h = torch.rand(2, 3, generator=gen, dtype=D) + 0.5
     at = h * ((1 + strength) / (2 * strength)) ** 0.5
@@ -246,7 +246,7 @@ FACTORIES = {
         ps, lr=0.05, base=Normal(0.0, 0.1), data_size=10, **kw
     ),
     "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-        ps, lr=0.5, data_size=10, temperature=1.0, **kw
+        ps, lr=0.5, data_size=10, temperature=1.0, **{"init": "auto", **kw}
     ),
     "affine": lambda ps, **kw: lgb.AffineBLR(
         ps, lr=0.5, scale_lr=0.5, scale_momentum=0.5, base=Normal(0.0, 0.1), data_size=10, **kw
@@ -307,7 +307,7 @@ def test_prior_refusals_name_what_does_not_match():
             prior=post,
         )
     with pytest.raises(ValueError, match=r"MultiplicativeGroup|DiagonalAffine"):
-        lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=32, prior=post)
+        lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=32, prior=post, init="auto")
     other = nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3)).to(D)
     with pytest.raises(ValueError, match="shape"):
         lgb.AffineBLR(other.parameters(), lr=0.1, scale_lr=0.01, data_size=32, prior=post)
@@ -354,7 +354,7 @@ def test_with_a_prior_compiled_steps_equal_eager_ones_and_resume_bit_for_bit(kin
             ps, lr=0.1, base=Normal(0.0, 0.1), data_size=32, **kw
         ),
         "multiplicative": lambda ps, **kw: lgb.MultiplicativeBLR(
-            ps, lr=0.2, data_size=32, temperature=0.5, **kw
+            ps, lr=0.2, data_size=32, temperature=0.5, **{"init": "auto", **kw}
         ),
         "affine": lambda ps, **kw: lgb.AffineBLR(
             ps, lr=0.1, scale_lr=0.05, base=Normal(0.0, 0.05), data_size=32, **kw

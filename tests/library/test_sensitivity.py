@@ -404,7 +404,7 @@ def test_an_optimizer_or_a_wrapper_is_read_as_its_posterior_and_temperature():
     assert torch.equal(lgb.sensitivity(model, Wrapper(opt), x, y), expected)
     assert torch.equal(lgb.sensitivity(model, opt, x, y, temperature=1.0), 0.5 * expected)
 
-    model, opt, x, y = _trained(lgb.MultiplicativeBLR, lr=1.0, temperature=0.006)
+    model, opt, x, y = _trained(lgb.MultiplicativeBLR, lr=1.0, temperature=0.006, init="auto")
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     mm = memory_map(model, opt, x, y, generator=gen())
     assert mm.method == "samples"

@@ -63,7 +63,7 @@ def additive(params, **kw):
 
 
 def multiplicative(params, **kw):
-    return lgb.MultiplicativeBLR(params, **{**SHARED, **kw})
+    return lgb.MultiplicativeBLR(params, **{**SHARED, "init": "auto", **kw})
 
 
 def affine(params, **kw):
@@ -486,7 +486,8 @@ def test_step_is_noop_when_params_have_no_grad(kind):
         opt.zero_grad()
         return model().detach()  # no backward: no parameter has a gradient
 
-    opt.step(closure)
+    with pytest.warns(UserWarning, match="no trained parameter has a gradient"):
+        opt.step(closure)
     assert_equal(snapshot(opt, model), before)
     unused = nn.Parameter(torch.ones(4))
     opt.add_param_group({"params": [unused]})
@@ -1072,7 +1073,7 @@ def test_multiplicative_init_keep_keeps_the_weights_reference_rewrites_them():
     parts = opt.group_element(model.weight)
     torch.testing.assert_close(parts["g+"] - parts["g-"], value)
     assert bool((parts["g+"] > 0).all() and (parts["g-"] > 0).all())
-    lgb.MultiplicativeBLR(model.parameters(), lr=0.01, data_size=100)
+    lgb.MultiplicativeBLR(model.parameters(), lr=0.01, data_size=100, init="reference")
     assert not torch.allclose(model.weight.detach(), value)
     with pytest.raises(ValueError, match="init"):
         lgb.MultiplicativeBLR(model.parameters(), lr=0.01, data_size=100, init="pretrained")

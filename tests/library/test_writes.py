@@ -210,7 +210,9 @@ def test_the_write_warning_points_at_the_users_line(call, mode):
 
 def test_point_estimate_mean_divides_by_the_base_mean():
     model, _, _ = make_problem()
-    opt = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=10, point_estimate="mean")
+    opt = lgb.MultiplicativeBLR(
+        model.parameters(), lr=0.1, data_size=10, point_estimate="mean", init="auto"
+    )
     weights = other_weights(model)
     model.load_state_dict(weights)
     with pytest.warns(UserWarning, match=WRITTEN):
