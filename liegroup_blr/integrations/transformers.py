@@ -10,6 +10,7 @@ clipping then acts on exactly what the update reads.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -150,6 +151,16 @@ class BLRTrainer(transformers.Trainer):
         """The optimizers whose point estimate evaluation holds (none for the average,
         which draws its samples itself)."""
         return self._posterior() if self.evaluate_at == "point" else []
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The checkpoint's weights, its point estimate. Where its optimizer state follows
+        (``optimizer.pt``, ``.bin`` or a folder), which replaces the posterior, the optimizers
+        take the weights as written by themselves, not as outside writes to adopt as the
+        posterior's location (and warn of) at the Trainer's next call."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if any(name.startswith("optimizer") for name in os.listdir(resume_from_checkpoint)):
+            for optimizer in self._posterior():
+                optimizer._writes.mark()
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)

@@ -579,3 +579,36 @@ def test_tiny_bert_trains_evaluates_saves_and_resumes(tmp_path):
 
     resumed, again, _ = run(tmp_path / "resumed", resume=str(tmp_path / "run" / "checkpoint-2"))
     assert_same(elements(again, resumed), elements(optimizer, model))
+
+
+def test_a_resume_takes_the_checkpoint_s_weights_without_adopting_them(tmp_path):
+    """``train(resume_from_checkpoint=...)`` loads the checkpoint's weights before its
+    optimizer state, which replaces the posterior: no warning of weights written outside the
+    optimizer, the run bit for bit the uninterrupted one. A checkpoint without optimizer state
+    has its weights adopted as the posterior's location, with the warning."""
+    import shutil
+    import warnings
+
+    make = additive()
+    model = MLP()
+    optimizer = make(model.parameters())
+    trainer_for(model, optimizer, tmp_path / "run", save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    resumed = MLP()
+    again = make(resumed.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for(resumed, again, tmp_path / "resumed").train(
+            resume_from_checkpoint=str(checkpoint)
+        )
+    assert not [w for w in caught if "written outside the optimizer" in str(w.message)]
+    assert_same(elements(again, resumed.net), elements(optimizer, model.net))
+
+    weights_only = tmp_path / "weights-only"
+    shutil.copytree(checkpoint, weights_only)
+    (weights_only / "optimizer.pt").unlink()
+    fresh = MLP()
+    with pytest.warns(UserWarning, match="written outside the optimizer"):
+        trainer_for(fresh, make(fresh.parameters()), tmp_path / "fresh").train(
+            resume_from_checkpoint=str(weights_only)
+        )
