@@ -56,6 +56,9 @@ def child_main(argv: list[str]) -> None:
     there instead (its parent kills it).
     """
     folder, point, action, ready, *args = argv
+    # Ctrl-C as a terminal delivers it: a shell that started the suite in the background
+    # hands its processes SIGINT ignored, which they would pass on to this child
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     after = point.startswith("next:")
     name, nth = point.removeprefix("next:").rsplit(":", 1)
     seen, armed = 0, False
