@@ -34,7 +34,7 @@ from .checks import check_choice, check_count, check_hyperparameters, check_numb
 from .distributed import broadcast_elements, replicas, shared_seed
 from .engine import ENGINE_KEYS, Engine
 from .holding import holding
-from .prior import check_strength, prior_for
+from .prior import check_next_prior, check_strength, prior_for, task_reset
 from .rule import Rule
 from .scratch import state_dtype
 from .tensors import Sample
@@ -557,25 +557,17 @@ class BLROptimizer(Optimizer):
     ) -> None:
         r"""Use ``posterior`` as the prior: the update takes (τ/N)·∇KL(q ‖ posterior) in place
         of the N(0, 1/δ) prior and the entropy term for every parameter it covers (``None``:
-        back to those). A posterior keyed by names needs the ``model`` that names the
-        parameters (else its entries are matched to the trained parameters in order).
+        back to those, the N(0, 1/δ) prior centred on 0 again). A posterior keyed by names
+        needs the ``model`` that names the parameters (else its entries are matched to the
+        trained parameters in order).
 
-        ``strength`` w > 0 tempers the prior to :math:`q_\text{prev}^w/Z`: only the
-        cross-entropy is weighted, the entropy keeps weight 1,
-
-        .. math::
-            E_q[\bar\ell] + \frac{\tau}{N}\big[-H(q) - w\,E_q\log q_\text{prev}\big]
-            = E_q[\bar\ell] + \frac{\tau}{N}\,\mathrm{KL}(q\,\|\,q_\text{prev}^w/Z)
-            + \text{const},
-
-        whose gradient is :math:`\frac{\tau}{N}[w\nabla\mathrm{KL}(q\|q_\text{prev})
-        - (1 - w)\nabla H(q)]`. w = 1 (the default) is exact sequential Bayes; for a Gaussian
-        :math:`\mathcal N(m, P^{-1})` the tempered prior is :math:`\mathcal N(m, (wP)^{-1})`,
-        so w > 1 pulls back harder (with :class:`~liegroup_blr.AffineBLR`'s Gaussian base the
-        penalty on the mean is :math:`w(N_\text{prev}H + \delta)/N`, EWC's at λ = w) and
-        w < 1 lets the new task move further; :class:`~liegroup_blr.AdditiveBLR` (fixed
-        covariance σ²I) feels it as the pull :math:`w\tau/(N\sigma^2)\,(m - m_\text{prev})`.
-        Saved in :meth:`state_dict`.
+        ``strength`` w > 0 tempers the prior to :math:`q_\text{prev}^w/Z` (only the
+        cross-entropy weighted: :math:`E_q[\bar\ell] + \frac{\tau}{N}[-H(q) -
+        w\,E_q\log q_\text{prev}]`), whose gradient is :math:`\frac{\tau}{N}[w\nabla\mathrm{KL}(q\|q_\text{prev})
+        - (1 - w)\nabla H(q)]`. w = 1 (the default) is exact sequential Bayes; a Gaussian
+        :math:`\mathcal N(m, P^{-1})` tempers to :math:`\mathcal N(m, (wP)^{-1})`: w > 1 pulls
+        back harder, w < 1 lets the new task move further (docs/lifelong.md says what each
+        rule feels). Saved in :meth:`state_dict`.
 
         Raises:
             ValueError: in one line, for a ``strength`` that is not a finite float > 0, a
@@ -593,6 +585,7 @@ class BLROptimizer(Optimizer):
             )
         if posterior is None:
             self._engine.status.prior = None
+            self._engine.status.centre = {}
             return
         for group in self.param_groups:
             self._rule.check_prior(group, strength)
@@ -608,49 +601,54 @@ class BLROptimizer(Optimizer):
             self.mc_samples,
             strength,
         )
+        self._engine.status.centre = {}
 
     @torch.no_grad()
     def next_task(
-        self, data_size: float, *, strength: float = 1.0, model: nn.Module | None = None
+        self,
+        data_size: float,
+        *,
+        prior: str = "posterior",
+        strength: float = 1.0,
+        model: nn.Module | None = None,
     ) -> Posterior:
-        r"""Start the next task of a sequence: the current posterior becomes the prior
-        (:meth:`set_prior`), every param group's ``data_size`` becomes N_t = ``data_size`` and
-        its ``prior_precision`` (and ``weight_decay``) 0 (the posterior replaces the N(0, 1/δ)
-        prior), and the momenta are reset to 0. Kept: the elements (the task starts from the
-        posterior), the step sizes and other hyperparameters, lr schedules, the noise
-        generators and the skip count. Returns the new prior: the finished task's posterior
-        (with its temperature and data size), keyed by ``model``'s parameter names when
-        ``model`` is given (``prior["0.weight"]``), else by position (:meth:`posterior`).
+        r"""Start the next task of a sequence: every param group's ``data_size`` becomes
+        N_t = ``data_size``, the momenta are reset to 0, and the finished task enters the
+        objective as ``prior`` (:data:`~liegroup_blr.optim.prior.NEXT_PRIORS`) says:
+        ``"posterior"`` (the default) makes the current posterior the prior (:meth:`set_prior`,
+        at ``strength`` w: the tempered :math:`q_\text{prev}^w/Z`; w = 1 is exact sequential
+        Bayes) and ``prior_precision`` (and ``weight_decay``) 0; ``"delta"`` centres each
+        group's N(0, 1/δ) prior on the point estimate that ends the task (the K-prior's weight
+        term, δ kept); ``"none"`` sets ``prior_precision`` (and ``weight_decay``) to 0.
 
-        ``strength`` w > 0 makes the prior the tempered posterior :math:`q_\text{prev}^w/Z`
-        (:meth:`set_prior`): the objective is
-        :math:`E_q[\bar\ell] + \frac{\tau}{N}[-H(q) - w\,E_q\log q_\text{prev}]`, only the
-        cross-entropy weighted. w = 1 (the default): exact sequential Bayes; w > 1: a stronger
-        pull back to the previous posterior; w < 1: a weaker one.
+        Kept: the elements, step sizes and other hyperparameters, lr schedules, noise
+        generators and skip count. Returns the finished task's posterior, keyed by ``model``'s
+        parameter names when given (``prior["0.weight"]``), else by position.
 
         Raises:
-            ValueError: in one line, for a ``strength`` that is not a finite float > 0 or a
-                ``data_size`` that is not > 0, a ``model`` that lacks one of the
-                optimizer's parameters, or a prior whose pull a step cannot take stably
-                (the additive rule's at a large ``lr``: ``Rule.check_prior``), before
-                anything changes.
+            ValueError: in one line, before anything changes: :func:`~.prior.check_next_prior`,
+                :func:`~.prior.task_reset`, a ``data_size`` ≤ 0, a ``model`` without one of
+                the parameters, or a pull a step cannot take stably (``Rule.check_prior``).
+            NotImplementedError: ``"delta"`` with sharded (DTensor, FSDP2) parameters.
             RuntimeError: between ``sampled_params(train=True)`` blocks and ``step()``.
         """
-        strength = check_strength(strength)
+        strength = check_next_prior(prior, strength, self._engine.shards.mesh_param)
         if self._engine.status.samples:
             raise RuntimeError("next_task() between sampled_params(train=True) and step()")
-        resets = []
-        for group in self.param_groups:
-            reset = {"data_size": data_size, "prior_precision": 0.0}
-            if "weight_decay" in group:
-                reset["weight_decay"] = 0.0
+        resets = [task_reset(group, data_size, prior) for group in self.param_groups]
+        for group, reset in zip(self.param_groups, resets, strict=True):
             self._validate({**group, **reset})
-            self._rule.check_prior({**group, **reset}, strength)
-            resets.append(reset)
+            if prior == "posterior":
+                self._rule.check_prior({**group, **reset}, strength)
         posterior = self.posterior(model)  # the finished task's: its N, before N_t replaces it
+        centre = {}
+        if prior == "delta":
+            with self.point_estimate():
+                centre = {p: p.detach().clone() for p in self._params() if p in self.state}
         for group, reset in zip(self.param_groups, resets, strict=True):
             group.update(reset)
-        self.set_prior(posterior, model, strength=strength)
+        self.set_prior(posterior if prior == "posterior" else None, model, strength=strength)
+        self._engine.status.centre = centre
         for state in self.state.values():
             state["momentum"].zero_()
         return posterior

@@ -51,7 +51,15 @@ from .tensors import Deferred, GroupTensors, Proposal, Sample
 
 __all__ = ["ENGINE_KEYS", "Engine", "all_finite"]
 
-ENGINE_KEYS = ("rng", "predict_rng", "seed", "skipped_steps", "prior", "prior_strength")
+ENGINE_KEYS = (
+    "rng",
+    "predict_rng",
+    "seed",
+    "skipped_steps",
+    "prior",
+    "prior_strength",
+    "prior_centre",
+)
 """What an optimizer's state dict holds of the engine (:meth:`Engine.state_dict`)."""
 
 
@@ -120,8 +128,9 @@ class Engine:
     def state_dict(self, params: list[Tensor]) -> dict[str, Any]:
         """The engine's part of the optimizer's state dict: ``"seed"``, ``"rng"`` (the
         training generators, as they were before the parameters' resident sample, which
-        loading draws again), ``"predict_rng"``, ``"skipped_steps"`` and the prior's elements
-        by position in ``params`` (``"prior"``) and strength (``"prior_strength"``)."""
+        loading draws again), ``"predict_rng"``, ``"skipped_steps"``, the prior's elements
+        by position in ``params`` (``"prior"``) and strength (``"prior_strength"``), and the
+        δ-prior's centres by position (``"prior_centre"``)."""
         now = self.noise.state_dict()
         noise = self.holding.rng or now  # before the parameters' sample, if any
         saved = {"rng": noise["rng"], "seed": noise["seed"], "predict_rng": now["predict_rng"]}
@@ -129,6 +138,9 @@ class Engine:
         if self.status.prior is not None:
             saved["prior"] = self.status.prior.state_dict(params)
             saved["prior_strength"] = self.status.prior.strength
+        if self.status.centre:
+            centre = self.status.centre
+            saved["prior_centre"] = {i: centre[p] for i, p in enumerate(params) if p in centre}
         return saved
 
     def load_state_dict(self, saved: dict[str, Any], params: list[Tensor]) -> None:
@@ -157,6 +169,10 @@ class Engine:
             if prior is None
             else Prior.from_state_dict(prior, params, self.mc_samples, strength)
         )
+        centre = saved.get("prior_centre", {})
+        self.status.centre = {
+            params[i]: c.to(params[i].device, params[i].dtype) for i, c in centre.items()
+        }
 
     # ------------------------------------------------------------- param groups
     def point_mean(self, group: dict[str, Any]) -> float | None:
@@ -295,6 +311,8 @@ class Engine:
                     (decay,) = self.scratch.take(part.params, grad=torch.Size)
                     torch._foreach_copy_(decay, [sample.theta[i] for i in rows])
                     torch._foreach_mul_(decay, rate)
+                    if status.centre:  # the δ-prior centred on c: (δ/N)(θ − c)
+                        self.centre(decay, part.keys, group)
                 deferred = Deferred(part, [sample.noise[i] for i in rows], raw, decay, first)
                 if defer:
                     deferred.versions = [g._version for g in raw]
@@ -304,6 +322,15 @@ class Engine:
                     self.rule.accumulate(group, part, deferred.noise, total, first)
             status.pending.update(dict.fromkeys(p for p, h in zip(t.keys, has, strict=True) if h))
         status.samples += 1
+
+    def centre(self, decay: list[Tensor], keys: list[Tensor], group: dict[str, Any]) -> None:
+        """Subtract (δ/N)·c from ``decay`` where a parameter's δ-prior is centred on c
+        (:meth:`~liegroup_blr.optim.BLROptimizer.next_task` with ``prior="delta"``)."""
+        centres = self.status.centre
+        pairs = [(d, centres[p]) for d, p in zip(decay, keys, strict=True) if p in centres]
+        if pairs:
+            ds, cs = (list(x) for x in zip(*pairs, strict=True))
+            torch._foreach_add_(ds, cs, alpha=-group["prior_precision"] / group["data_size"])
 
     def refuse_changed(self) -> None:
         """A deferred gradient was changed in place before it was read: the step is abandoned."""

@@ -97,6 +97,7 @@ class EngineState:
         marks: each trained parameter's gradient as the engine last saw it (a weak
             reference and the version counter), to tell gradients made since.
         prior: the prior that replaces the N(0, 1/δ) prior and the entropy term, if any.
+        centre: each parameter's centre c of the δ-prior N(c, 1/δ) where it is not 0.
         unaveraged: with ``process_group``, whether the processes' gradients were seen to
             differ (not averaged by DistributedDataParallel).
         warned: whether a step that found no gradient has been warned of.
@@ -114,6 +115,7 @@ class EngineState:
     tensors: dict[int, GroupTensors] = field(default_factory=dict)
     marks: dict[Tensor, tuple[Callable[[], Tensor | None], int]] = field(default_factory=dict)
     prior: Prior | None = None
+    centre: dict[Tensor, Tensor] = field(default_factory=dict)
     unaveraged: bool = False
     warned: bool = False
     kept: dict[Tensor, Tensor] = field(default_factory=dict)

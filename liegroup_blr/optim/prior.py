@@ -42,7 +42,22 @@ from ..posterior import Posterior
 from ..posterior_io import describe_base
 from .scratch import state_dtype
 
-__all__ = ["Prior", "check_strength", "prior_for"]
+__all__ = ["NEXT_PRIORS", "Prior", "check_next_prior", "check_strength", "prior_for", "task_reset"]
+
+NEXT_PRIORS = ("posterior", "delta", "none")
+r"""What :meth:`~liegroup_blr.optim.BLROptimizer.next_task` makes of the finished task:
+
+* ``"posterior"``: its posterior as the prior, tempered by the strength w (this module);
+* ``"delta"``: the K-prior's weight term (Khan & Swaroop, 2021), each group's N(0, 1/δ) prior
+  centred on the point estimate :math:`\theta_\text{prev}` that ended the task, δ its
+  ``prior_precision``: :math:`E_q[\bar\ell] + \frac{\delta}{N}E_q[\tfrac12\|\theta -
+  \theta_\text{prev}\|^2] - \frac{\tau}{N}H(q)`. With a
+  :class:`~liegroup_blr.MemorablePast` of use ``"kprior"`` holding every example of the
+  finished tasks, at the δ and τ they were trained with, a generalised linear model's
+  objective is the joint one up to a constant: it ends where training on every task at once
+  ends;
+* ``"none"``: no prior, :math:`E_q[\bar\ell] - \frac{\tau}{N}H(q)` (FROMP's code pairs its
+  function term with no weight term)."""
 
 
 def check_strength(strength: Any) -> float:
@@ -57,6 +72,48 @@ def check_strength(strength: Any) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"strength: expected a finite float > 0, got {strength!r}")
     return value
+
+
+def check_next_prior(prior: Any, strength: Any, mesh_param: Any) -> float:
+    """``strength`` checked for ``prior`` (one of :data:`NEXT_PRIORS`; a strength other than 1
+    only with ``"posterior"``; ``"delta"`` not with sharded parameters, ``mesh_param``).
+
+    Raises:
+        ValueError: in one line, naming the argument.
+        NotImplementedError: ``"delta"`` with sharded parameters.
+    """
+    if prior not in NEXT_PRIORS:
+        raise ValueError(f"prior: must be one of {NEXT_PRIORS}, got {prior!r}")
+    strength = check_strength(strength)
+    if prior != "posterior" and strength != 1.0:
+        raise ValueError(f"strength: weights the posterior as prior; prior={prior!r} has none")
+    if prior == "delta" and mesh_param is not None:
+        raise NotImplementedError(
+            "next_task(prior='delta'): not with sharded (DTensor, FSDP2) parameters yet; "
+            "train the next task with DistributedDataParallel, or on one process"
+        )
+    return strength
+
+
+def task_reset(group: dict[str, Any], data_size: float, prior: str) -> dict[str, Any]:
+    """What ``next_task(data_size, prior=prior)`` writes into a param group: the new data
+    size, and, but for ``"delta"`` (which keeps δ as the centred prior's precision), a prior
+    precision and weight decay of 0.
+
+    Raises:
+        ValueError: in one line, for ``weight_decay`` > 0 with ``"delta"``.
+    """
+    if prior != "delta":
+        reset = {"data_size": data_size, "prior_precision": 0.0}
+        if "weight_decay" in group:
+            reset["weight_decay"] = 0.0
+        return reset
+    if group.get("weight_decay"):
+        raise ValueError(
+            f"weight_decay: {group['weight_decay']} with prior='delta', which centres the "
+            "prior_precision's N(0, 1/δ) prior; train with prior_precision instead"
+        )
+    return {"data_size": data_size}
 
 
 class Prior:
