@@ -22,9 +22,10 @@ or (``change="probabilities"``) the paper's change of the probabilities,
 estimated from the posterior alone (the paper's model-selection criterion).
 
 The prediction variance :math:`v_i` comes from the Jacobian form or from posterior samples
-(:data:`METHODS`). A rule trained at temperature :math:`\tau` learns about :math:`\tau` times
-the posterior covariance; the equation needs the untempered one, so :math:`V_i` is divided by
-:math:`\tau`. ``docs/memory_maps.md`` says which method fits which group and why, and how
+(:data:`METHODS`), or from a Laplace posterior at the mean (:data:`VARIANCES`). A rule
+trained at temperature :math:`\tau` learns about :math:`\tau` times the posterior covariance;
+the equation needs the untempered one, so :math:`V_i` is divided by :math:`\tau`.
+``docs/memory_maps.md`` says which method fits which group and why, and how
 the scores compare with leave-one-out retraining.
 """
 
@@ -38,14 +39,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vjp, vmap
 
+from ._laplace import jacobian_batch, laplace_moments, laplace_prior
 from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
 from .posterior import Posterior, PosteriorEntry, holder
 
 __all__ = [
     "METHODS",
     "REGIONS",
+    "VARIANCES",
     "MemoryMap",
     "loo_nll",
     "memory_map",
@@ -69,6 +71,18 @@ LOO_FORMS = ("corrected", "first_order")
 :math:`f_i + V_i(I - \\Lambda_i V_i)^{-1}e_i`, exact for Bayesian linear regression) and
 ``"first_order"`` (the memory-perturbation equation's :math:`f_i + V_i e_i`)."""
 
+VARIANCES = ("posterior", "diagonal_ggn", "kfac", "ggn", "hessian")
+"""Sources of the prediction variance :math:`V_i = J_i\\Sigma J_i^\\top` of :func:`loo_nll` and
+:func:`memory_map` (``variance=``): ``"posterior"`` (the rule's own posterior divided by τ, by
+``method``), or a Laplace posterior at the trained mean with precision :math:`N\\bar H +
+\\delta I`, :math:`\\bar H` the mean over the inputs given (the training set) of
+``"diagonal_ggn"`` (the diagonal of the GGN :math:`J_i^\\top\\Lambda_iJ_i`), ``"kfac"`` (its
+K-FAC per ``nn.Linear`` layer), ``"ggn"`` (the whole GGN, inverted) or ``"hessian"`` (the
+Hessian of the loss, inverted); ``"ggn"`` and ``"hessian"`` for nets of at most 20,000
+parameters."""
+
+DEFAULT_VARIANCE = "posterior"
+"""The variance source :func:`loo_nll` takes by default."""
 REDUCTIONS = ("mean", "sum", "none")
 LIKELIHOODS = ("categorical", "gaussian")
 CHANGES = ("probabilities", "logits")
@@ -187,6 +201,8 @@ def memory_map(
     change: str = "logits",
     likelihood: str = "categorical",
     noise_variance: float = 1.0,
+    variance: str = "posterior",
+    prior_precision: float | None = None,
 ) -> MemoryMap:
     r"""The memory map of ``(inputs, targets)`` under ``posterior``: scores, prediction
     variances, residuals and predictions (:class:`MemoryMap`).
@@ -231,6 +247,10 @@ def memory_map(
         likelihood: ``"categorical"`` (softmax over the last output axis) or ``"gaussian"``
             (loss :math:`(f - y)^2/2\sigma^2`).
         noise_variance: σ² of the Gaussian likelihood.
+        variance: where :math:`V_i` comes from, one of :data:`VARIANCES`: ``"posterior"``
+            (the default, the rule's own divided by τ) or a Laplace posterior at the mean
+            (see :func:`loo_nll`; ``inputs`` are then the training set the GGN is summed over).
+        prior_precision: δ of a Laplace source (default: the optimizer's).
 
     Raises:
         ValueError: naming the argument, for a deterministic optimizer, a model that does not
@@ -240,15 +260,32 @@ def memory_map(
     post, tau = _posterior(posterior, model, temperature)
     method = _method(post, method)
     _check_options(inputs, targets, samples, batch_size, likelihood, noise_variance, change)
+    source = _source(variance)
     parts: list[tuple[Tensor, ...]] = []
     with _evaluating(model):
-        for rows, f, V in _moments(
-            model, post, inputs, method, samples, batch_size, generator, cross_class
+        for rows, f, V in _untempered(
+            model,
+            posterior,
+            post,
+            tau,
+            inputs,
+            targets,
+            source,
+            method,
+            samples,
+            batch_size,
+            generator,
+            cross_class,
+            likelihood,
+            noise_variance,
+            prior_precision,
         ):
             y = targets[rows].to(f.device)
-            parts.append((*_score(f, V / tau, y, likelihood, noise_variance, change), V / tau))
+            parts.append((*_score(f, V, y, likelihood, noise_variance, change), V))
     scores, residuals, predictions, variances = (torch.cat(t) for t in zip(*parts, strict=True))
-    return MemoryMap(scores, variances, residuals, predictions, method)
+    return MemoryMap(
+        scores, variances, residuals, predictions, method if source == "posterior" else "jacobian"
+    )
 
 
 def prediction_variance(
@@ -291,6 +328,8 @@ def loo_nll(
     cross_class: bool = False,
     likelihood: str = "categorical",
     noise_variance: float = 1.0,
+    variance: str = DEFAULT_VARIANCE,
+    prior_precision: float | None = None,
 ) -> Tensor:
     r"""The leave-one-out negative log-likelihood estimated from the posterior alone: for every
     example, the NLL of its target under the prediction it would get were it left out of
@@ -321,11 +360,53 @@ def loo_nll(
     categorical likelihood, :math:`-\log \operatorname{softmax}(f_i^{\setminus i})_{y_i}`:
     the predicted probabilities at the shifted logits (a plug-in, as the paper; the variance
     enters only through the shift). The prediction :math:`f_i` is the logits at the
-    posterior mean (``method="jacobian"``) or their mean over posterior samples
-    (``"samples"``), as in :func:`memory_map`; :math:`V_i` is divided by τ.
+    posterior mean (``method="jacobian"``, and every Laplace source) or their mean over
+    posterior samples (``"samples"``), as in :func:`memory_map`; :math:`V_i` is divided by τ.
+
+    What it estimates (the target). With a Gaussian posterior of precision :math:`P`, leaving
+    :math:`i` out removes :math:`J_i^\top\Lambda_iJ_i` from :math:`P`, and one Newton step
+    from the trained mean :math:`m` moves it to :math:`m^{\setminus i} = m +
+    (P - J_i^\top\Lambda_iJ_i)^{-1}J_i^\top e_i`; linearised, the logits move by
+    :math:`J_i(P - J_i^\top\Lambda_iJ_i)^{-1}J_i^\top e_i = V_i(I - \Lambda_iV_i)^{-1}e_i`
+    (Woodbury): the corrected shift. So for a categorical likelihood both forms estimate
+    the leave-one-out NLL of the **plug-in prediction at the mean**, the softmax of the
+    logits at the mean of the posterior fitted without :math:`i` (the first-order form with
+    :math:`V_i` in place of :math:`V_i^{\setminus i}`, a shift too small by
+    :math:`(I - \Lambda_iV_i)^{-1}`), not that of the model average, whose leave-one-out
+    predictive would integrate the softmax over :math:`V_i^{\setminus i}`. Its held-out
+    counterpart is the NLL at the posterior mean on a validation split drawn from the
+    training distribution (a test set drawn otherwise measures something else as well). For
+    a Gaussian likelihood it is the leave-one-out NLL of the posterior predictive (the model
+    average; exact for Bayesian linear regression with an exact posterior).
+
+    Where :math:`V_i` comes from (``variance``, :data:`VARIANCES`): ``"posterior"``, the
+    rule's posterior divided by τ (by ``method``); or a Laplace posterior at the trained
+    mean, whose precision is :math:`N\bar G + \delta I` with :math:`\bar G` the mean over
+    ``inputs`` (the training set) of the GGN :math:`J_i^\top\Lambda_iJ_i` (``"ggn"``,
+    inverted), its diagonal (``"diagonal_ggn"``), its K-FAC per ``nn.Linear`` layer
+    (``"kfac"``: :math:`\frac1n\sum_i\bar a_i\bar a_i^\top \otimes \sum_iG_i`,
+    :math:`\bar a_i` the layer's input with a 1 for the bias, :math:`G_i` the output
+    curvature, block-diagonal over layers; exact where :math:`G_i` is the same for every
+    example, e.g. one linear layer under a Gaussian likelihood), or the Hessian of the
+    summed loss (``"hessian"``, inverted; refused where :math:`N\bar H + \delta` is not
+    positive definite). N is the posterior's recorded data size (else ``len(inputs)``), δ
+    ``prior_precision`` (else the optimizer's param groups' ``prior_precision`` +
+    ``weight_decay``·N). The convention is the rules': at temperature τ a rule targets
+    :math:`\exp(-(N\bar\ell + \tfrac\delta2\|\theta\|^2)/\tau)`, whose Laplace covariance
+    is :math:`\tau(N\bar G + \delta)^{-1}`; divided by τ as the rule's own, it is
+    :math:`(N\bar G + \delta)^{-1}`, untempered, so no τ enters a Laplace source, and for the
+    diagonal affine rule at convergence on a GLM with a Gaussian likelihood (Hessian = GGN,
+    orthogonal design) ``"posterior"``, ``"diagonal_ggn"`` and ``"ggn"`` agree. With the
+    whole GGN and ``cross_class=True``, the eigenvalues of :math:`\Lambda_iV_i` stay below
+    1 (:math:`P` holds :math:`J_i^\top\Lambda_iJ_i`), so the corrected form is defined at
+    every δ; the diagonal :math:`\lambda_{ik}v_{ik}` may still reach 1.
 
     Args:
         form: ``"corrected"`` or ``"first_order"``.
+        variance: the source of :math:`V_i`, one of :data:`VARIANCES` (default
+            :data:`DEFAULT_VARIANCE`).
+        prior_precision: δ of a Laplace source (default: the optimizer's; required with a
+            :class:`~liegroup_blr.Posterior`, which does not record it).
         reduction: ``"mean"`` (a scalar, the leave-one-out NLL of the data set), ``"sum"``
             or ``"none"`` (``[n]``, one value per example).
         others: as :func:`memory_map`.
@@ -339,7 +420,9 @@ def loo_nll(
             form is undefined for an example (:math:`\lambda_{ik}v_{ik} \ge 1`, or
             :math:`I - \Lambda_iV_i` singular: the example's own curvature exceeds the
             posterior's, which an exact Gaussian posterior rules out; use
-            ``form="first_order"``).
+            ``form="first_order"``); ``variance`` for an unknown source, a model ``"kfac"``
+            or the exact sources cannot take, or a precision that is not positive definite;
+            ``prior_precision`` where a Laplace source has no δ (a Posterior) or δ < 0.
     """
     if form not in LOO_FORMS:
         raise ValueError(f"form: must be one of {LOO_FORMS}, got {form!r}")
@@ -348,13 +431,28 @@ def loo_nll(
     post, tau = _posterior(posterior, model, temperature)
     method = _method(post, method)
     _check_options(inputs, targets, samples, batch_size, likelihood, noise_variance, "logits")
+    source = _source(variance)
     parts = []
     with _evaluating(model):
-        for rows, f, V in _moments(
-            model, post, inputs, method, samples, batch_size, generator, cross_class
+        for rows, f, V in _untempered(
+            model,
+            posterior,
+            post,
+            tau,
+            inputs,
+            targets,
+            source,
+            method,
+            samples,
+            batch_size,
+            generator,
+            cross_class,
+            likelihood,
+            noise_variance,
+            prior_precision,
         ):
             y = targets[rows].to(f.device)
-            parts.append(_loo_nll(f, V / tau, y, likelihood, noise_variance, form))
+            parts.append(_loo_nll(f, V, y, likelihood, noise_variance, form))
     nll = torch.cat(parts)
     if reduction == "none":
         return nll
@@ -483,7 +581,7 @@ def _moments(
             names = {k: order[k] if isinstance(k, int) else k for k in post}
             params = {names[k]: named[names[k]].detach().clone() for k in post}
         variances = {names[k]: _coordinate_variance(e) for k, e in post.items()}
-        batch = _jacobian_batch(model, params, variances, cross_class)
+        batch = jacobian_batch(model, params, variances, cross_class)
     else:
         if generator is None:
             seed = int(torch.randint(0, 2**63 - 1, ()).item())  # from torch's global RNG
@@ -504,35 +602,6 @@ def _coordinate_variance(entry: PosteriorEntry) -> Tensor:
     if isinstance(G, MultiplicativeGroup):
         return (g[0].square() + g[1].square()) * var if G.signed else g.square() * var
     return g.new_full(entry.shape, var)
-
-
-def _jacobian_batch(
-    model: nn.Module, params: dict[str, Tensor], variances: dict[str, Tensor], cross_class: bool
-) -> Callable[[Tensor], tuple[Tensor, Tensor]]:
-    r"""Logits at the mean and :math:`v_{ik} = \sum_p J_{ikp}^2\Sigma_{pp}` (or
-    :math:`V_i = J_i\Sigma J_i^\top`) of a batch, by one pullback per output, vmapped over
-    the examples."""
-
-    def one(x: Tensor) -> tuple[Tensor, Tensor]:
-        out = vjp(lambda p: functional_call(model, p, (x[None],)).reshape(-1), params)
-        f, pullback = out[0], out[1]
-        basis = torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
-        if not cross_class:  # one output at a time: one gradient per example in memory
-            v = [_weighted_square(pullback(basis[k])[0], variances) for k in range(len(f))]
-            return f, torch.stack(v)
-        (grads,) = vmap(pullback)(basis)  # name → [K, *shape]
-        V = [
-            torch.einsum("kp,p,lp->kl", g.flatten(1), variances[n].flatten(), g.flatten(1))
-            for n, g in grads.items()
-        ]
-        return f, torch.stack(V).sum(0)
-
-    return vmap(one)
-
-
-def _weighted_square(grads: dict[str, Tensor], variances: dict[str, Tensor]) -> Tensor:
-    """:math:`\\sum_p J_p^2 \\Sigma_{pp}` of one output's gradient ``grads``."""
-    return torch.stack([(g.square() * variances[n]).sum() for n, g in grads.items()]).sum()
 
 
 def _samples_batch(
@@ -563,7 +632,54 @@ def _samples_batch(
     return batch
 
 
-# ----------------------------------------------------------------------- score
+# ------------------------------------------------------------- Laplace sources
+def _untempered(
+    model: nn.Module,
+    given: Any,
+    post: Posterior,
+    tau: float,
+    inputs: Tensor,
+    targets: Tensor | None,
+    source: str,
+    method: str,
+    samples: int,
+    batch_size: int,
+    generator: torch.Generator | None,
+    cross_class: bool,
+    likelihood: str,
+    noise_variance: float,
+    prior_precision: float | None,
+) -> Iterator[tuple[slice, Tensor, Tensor]]:
+    """Per batch: rows, logits, and the untempered prediction (co)variance from ``source``
+    (:data:`VARIANCES`): the rule's posterior's divided by τ, or a Laplace posterior's."""
+    if source == "posterior":
+        for rows, f, V in _moments(
+            model, post, inputs, method, samples, batch_size, generator, cross_class
+        ):
+            yield rows, f, V / tau
+        return
+    delta, data_size = laplace_prior(given, post, prior_precision)
+    yield from laplace_moments(
+        model,
+        post,
+        inputs,
+        targets,
+        source,
+        batch_size,
+        cross_class,
+        likelihood,
+        noise_variance,
+        delta,
+        data_size,
+    )
+
+
+def _source(variance: str) -> str:
+    if variance not in VARIANCES:
+        raise ValueError(f"variance: must be one of {VARIANCES}, got {variance!r}")
+    return variance
+
+
 def _score(
     f: Tensor, V: Tensor, y: Tensor, likelihood: str, noise_variance: float, change: str
 ) -> tuple[Tensor, Tensor, Tensor]:

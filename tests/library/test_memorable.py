@@ -8,8 +8,10 @@ which order, whatever the score's form (probabilities or logits, diagonal or cro
 
 The regularisers are checked against closed forms: the K-prior is exact for generalised
 linear models (linear and multinomial logistic regression end at the joint MAP of two
-tasks), FROMP's per-example kernel is exact where the joint kernel is diagonal, and both have
-zero gradient at the old model (no double counting); replay is the control that fails these.
+tasks), the logits variant of FROMP's per-example kernel is exact where the joint kernel is
+diagonal, FROMP's own per-class kernels on the probabilities equal JΣJᵀ + 1e-5·I from explicit
+per-class Jacobians of a linear softmax model, and all have zero gradient at the old model (no
+double counting); replay is the control that fails these.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.distributions import Normal
 
 import liegroup_blr as lgb
 from liegroup_blr.groups import DiagonalAffineGroup
-from liegroup_blr.memorable import MemorablePast
+from liegroup_blr.memorable import FROMP_JITTER, USES, MemorablePast
 from liegroup_blr.posterior import Posterior, PosteriorEntry
 
 K, D = 3, 4
@@ -250,7 +252,7 @@ def test_kprior_is_exact_for_multinomial_logistic_regression() -> None:
     assert not torch.allclose(theta1, joint, atol=1e-2)
 
 
-def test_fromp_equals_the_weight_space_prior_where_its_kernel_is_exact() -> None:
+def test_fromp_logits_equals_the_weight_space_prior_where_its_kernel_is_exact() -> None:
     # Linear regression on axis-aligned inputs c_i·e_i: task 1's posterior covariance Σ₁ is
     # diagonal, and so is the joint kernel XΣ₁Xᵀ of its d points: the per-example blocks are
     # the joint kernel, and ½ΔᵀK⁻¹Δ = ½(θ − θ₁)ᵀΣ₁⁻¹(θ − θ₁) (up to the jitter's 1e-6).
@@ -263,7 +265,7 @@ def test_fromp_equals_the_weight_space_prior_where_its_kernel_is_exact() -> None
     Sigma1 = torch.linalg.inv(precision1)
     assert torch.equal(Sigma1, torch.diag(Sigma1.diagonal()))
     posterior = diagonal_gaussian(theta1[None], Sigma1.diagonal()[None])
-    memory = MemorablePast(d, "random", "fromp", likelihood="gaussian", noise_variance=s2)
+    memory = MemorablePast(d, "random", "fromp_logits", likelihood="gaussian", noise_variance=s2)
     memory.add_task(linear_model(theta1[None]), posterior=posterior, inputs=X1, targets=y1)
     N2 = len(y2)
 
@@ -283,7 +285,7 @@ def test_fromp_equals_the_weight_space_prior_where_its_kernel_is_exact() -> None
     assert torch.allclose(theta2, joint, atol=1e-5, rtol=0)
 
 
-def test_fromp_value_and_gradient_are_the_closed_form_of_the_stored_kernel() -> None:
+def test_fromp_logits_value_and_gradient_are_the_closed_form_of_the_stored_kernel() -> None:
     # Softmax regression with posterior N(W, s²I): the logits' covariance of x is s²‖x‖² I_K,
     # so K_j⁻¹ = I / (s²‖x_j‖² + ε), ε = 1e-6 · s² · mean‖x_j‖² over the kept examples.
     gen = torch.Generator().manual_seed(4)
@@ -291,7 +293,7 @@ def test_fromp_value_and_gradient_are_the_closed_form_of_the_stored_kernel() -> 
     x, y = torch.randn(20, D, generator=gen).double(), torch.randint(0, K, (20,), generator=gen)
     s = 0.3
     model, post = softmax_regression(W, scale=s, dtype=torch.float64)
-    memory = MemorablePast(8, "lambda", "fromp")
+    memory = MemorablePast(8, "lambda", "fromp_logits")
     chosen = memory.add_task(model, posterior=post, inputs=x, targets=y)
     variance = s**2 * x[chosen].square().sum(-1)
     jitter = 1e-6 * variance.mean()
@@ -307,14 +309,15 @@ def test_fromp_value_and_gradient_are_the_closed_form_of_the_stored_kernel() -> 
 
 
 def memories(dtype: torch.dtype = torch.float64) -> dict[tuple[str, str], MemorablePast]:
-    """A filled memory of every use and likelihood (fromp on the constructed posterior)."""
+    """A filled memory of every use and likelihood (fromp and fromp_logits on the constructed
+    posterior; fromp refreshed)."""
     gen = torch.Generator().manual_seed(5)
     W = torch.randn(K, D, generator=gen).to(dtype)
     x, labels = torch.randn(10, D, generator=gen).to(dtype), torch.randint(0, K, (10,))
     values = torch.randn(10, K, generator=gen).to(dtype)
     model, post = softmax_regression(W, scale=0.4, dtype=dtype)
     out = {}
-    for use in ("kprior", "fromp", "replay"):
+    for use in USES:
         for likelihood, y, selection in (
             ("categorical", labels, "lambda"),
             ("gaussian", values, "random"),
@@ -328,26 +331,32 @@ def memories(dtype: torch.dtype = torch.float64) -> dict[tuple[str, str], Memora
                 targets=y,
                 generator=torch.Generator().manual_seed(0),
             )
+            if use == "fromp":
+                memory.refresh(model, posterior=post)
             out[use, likelihood] = memory
     return out
 
 
 @pytest.mark.parametrize("likelihood", ["categorical", "gaussian"])
-@pytest.mark.parametrize("use", ["kprior", "fromp", "replay"])
+@pytest.mark.parametrize("use", USES)
 def test_gradients_equal_finite_differences(use: str, likelihood: str) -> None:
     memory = memories()[use, likelihood]
     gen = torch.Generator().manual_seed(6)
     f = torch.randn(6, K, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda f: memory.loss(f, data_size=7.0), (f,))
+    if use == "fromp":  # its kernels couple the rows: every row at once
+        with pytest.raises(ValueError, match="rows=None"):
+            memory.loss(f[:3], 7.0, torch.tensor([4, 1, 4]))
+        return
     rows = torch.tensor([4, 1, 4])
     g = torch.randn(3, K, generator=gen, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda g: memory.loss(g, 7.0, rows), (g,))
 
 
 @pytest.mark.parametrize("likelihood", ["categorical", "gaussian"])
-@pytest.mark.parametrize("use", ["kprior", "fromp", "replay"])
+@pytest.mark.parametrize("use", USES)
 def test_only_replay_pulls_at_the_old_model(use: str, likelihood: str) -> None:
-    # no double counting: K-prior and FROMP have zero gradient at θ = θ_old
+    # no double counting: K-prior and both FROMPs have zero gradient at θ = θ_old
     memory = memories()[use, likelihood]
     f = memory.outputs_old.clone().requires_grad_()
     value = memory.loss(f, data_size=10)
@@ -424,7 +433,7 @@ def test_loss_refusals_name_the_fix(call: Callable, message: str) -> None:
 
 
 # ---------------------------------------------------------------- state dicts
-@pytest.mark.parametrize("use", ["kprior", "fromp", "replay"])
+@pytest.mark.parametrize("use", USES)
 def test_state_dict_save_and_load_round_trip(use: str, tmp_path: Path) -> None:
     x, y, _ = constructed_task()
     model, post = softmax_regression(torch.randn(K, D), scale=0.3)
@@ -432,6 +441,8 @@ def test_state_dict_save_and_load_round_trip(use: str, tmp_path: Path) -> None:
     generator = torch.Generator().manual_seed(3)
     memory.add_task(model, posterior=post, inputs=x, targets=y, generator=generator)
     memory.add_task(model, posterior=post, inputs=-x, targets=y, generator=generator)
+    if use == "fromp":
+        memory.refresh(model, posterior=post)
     path = tmp_path / "memory.pt"
     memory.save(path)
     loaded = MemorablePast.load(path)
@@ -439,7 +450,10 @@ def test_state_dict_save_and_load_round_trip(use: str, tmp_path: Path) -> None:
     assert settings == (4, "sensitivity", use, "categorical") and loaded.num_tasks == 2
     for name in ("inputs", "targets", "tasks", "scores", "outputs_old", "kernel_inverse"):
         assert torch.equal(getattr(loaded, name), getattr(memory, name)), name
-    assert (memory.kernel_inverse.shape == (8, K, K)) == (use == "fromp")
+    assert (memory.kernel_inverse.shape == (8, K, K)) == (use == "fromp_logits")
+    assert len(loaded.task_kernel_inverse) == (2 if use == "fromp" else 0)
+    for a, b in zip(loaded.task_kernel_inverse, memory.task_kernel_inverse, strict=True):
+        assert a.shape == (K, 4, 4) and torch.equal(a, b)
     logits = torch.randn(8, K)
     assert torch.equal(loaded.loss(logits, 10), memory.loss(logits, 10))
     again = MemorablePast(4, "sensitivity", use)
@@ -458,6 +472,7 @@ def test_state_dict_save_and_load_round_trip(use: str, tmp_path: Path) -> None:
     back = MemorablePast.from_state_dict(gaussian.state_dict())
     assert (back.likelihood, back.noise_variance) == ("gaussian", 0.5)
     assert torch.equal(back.kernel_inverse, gaussian.kernel_inverse)
+    assert len(back.task_kernel_inverse) == len(gaussian.task_kernel_inverse)
 
 
 # ------------------------------------------------------------ BLR posteriors
@@ -472,12 +487,12 @@ def test_an_optimizer_is_read_as_its_posterior() -> None:
     assert torch.equal(memory.scores, lgb.sensitivity(model, post, x, y)[chosen])
 
 
-def test_lie_group_blr_optimizers_give_fromp_its_kernel() -> None:
+def test_lie_group_blr_optimizers_give_fromp_logits_its_kernel() -> None:
     torch.manual_seed(0)
     x, y = torch.randn(40, D), torch.randint(0, K, (40,))
     model = nn.Linear(D, K)
     affine = lgb.AffineBLR(model.parameters(), lr=0.1, scale_lr=0.1, data_size=40)
-    memory = MemorablePast(6, "lambda", "fromp")
+    memory = MemorablePast(6, "lambda", "fromp_logits")
     chosen = memory.add_task(
         model, posterior=affine, inputs=x, targets=y
     )  # method auto: the Jacobian form
@@ -488,7 +503,7 @@ def test_lie_group_blr_optimizers_give_fromp_its_kernel() -> None:
 
     model = nn.Linear(D, K)
     multiplicative = lgb.MultiplicativeBLR(model.parameters(), lr=0.1, data_size=40, init="auto")
-    memory = MemorablePast(6, "sensitivity", "fromp")  # the Monte Carlo kernel
+    memory = MemorablePast(6, "sensitivity", "fromp_logits")  # the Monte Carlo kernel
     memory.add_task(
         model,
         posterior=multiplicative,
@@ -526,7 +541,10 @@ def test_refusals_name_the_argument(args: tuple, kwargs: dict, message: str) -> 
 
 @pytest.mark.parametrize(
     ("selection", "use", "message"),
-    [("sensitivity", "kprior", "use selection='lambda'"), ("lambda", "fromp", "use use='kprior'")],
+    [
+        ("sensitivity", "kprior", "use selection='lambda'"),
+        ("lambda", "fromp_logits", "use use='fromp'"),
+    ],
 )
 def test_a_missing_posterior_is_refused_with_the_fix(
     selection: str, use: str, message: str
@@ -537,3 +555,299 @@ def test_a_missing_posterior_is_refused_with_the_fix(
         MemorablePast(3, selection, use).add_task(model, posterior=None, inputs=x, targets=y)
     with pytest.raises(ValueError, match="labels must lie in"):
         MemorablePast(3, "random").add_task(model, posterior=None, inputs=x, targets=y + 5)
+
+
+# ----------------------------------------------- FROMP as its code defines it
+def linear_softmax(gen: torch.Generator) -> nn.Linear:
+    """nn.Linear(D, K) in float64 with random weight and bias."""
+    model = nn.Linear(D, K).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(K, D, generator=gen))
+        model.bias.copy_(torch.randn(K, generator=gen))
+    return model
+
+
+def hand_jacobians(model: nn.Linear, x: torch.Tensor) -> list[torch.Tensor]:
+    """Per class c, ``[n, K·D + K]`` the Jacobian of p_c = softmax(Wx + b)_c in (W, b), by
+    its closed form ∂p_c/∂f_k = p_c(δ_ck − p_k), ∂f_k/∂W_kd = x_d, ∂f_k/∂b_k = 1."""
+    with torch.no_grad():
+        p = torch.softmax(model(x), dim=-1)
+    eye = torch.eye(K, dtype=x.dtype)
+    out = []
+    for c in range(K):
+        a = p[:, c : c + 1] * (eye[c] - p)  # [n, K] ∂p_c/∂f
+        out.append(torch.cat([(a[:, :, None] * x[:, None, :]).flatten(1), a], dim=1))
+    return out
+
+
+def hand_kernel_inverse(model: nn.Linear, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``[K, n, n]`` (J_c diag(s) J_cᵀ + 1e-5·I)⁻¹, s the variances of (W, b) flattened."""
+    eye = torch.eye(len(x), dtype=x.dtype)
+    return torch.stack(
+        [torch.linalg.inv(J @ torch.diag(s) @ J.T + 1e-5 * eye) for J in hand_jacobians(model, x)]
+    )
+
+
+def flat(variances: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([variances["weight"].flatten(), variances["bias"]])
+
+
+def fromp_memory(per_task: int = 5) -> tuple[MemorablePast, nn.Linear, dict, list]:
+    """A "fromp" memory of two tasks of a linear softmax model (random selection), not yet
+    refreshed; the model, a diagonal covariance and the two tasks' inputs."""
+    gen = torch.Generator().manual_seed(11)
+    model = linear_softmax(gen)
+    variances = {
+        "weight": torch.rand(K, D, generator=gen).double(),
+        "bias": torch.rand(K, generator=gen).double(),
+    }
+    memory = MemorablePast(per_task, "random", "fromp")
+    xs = [torch.randn(12, D, generator=gen).double() for _ in range(2)]
+    for x in xs:
+        memory.add_task(
+            model, inputs=x, targets=torch.randint(0, K, (12,), generator=gen), generator=gen
+        )
+    return memory, model, variances, xs
+
+
+def test_fromp_kernels_are_per_class_jsigmajt_plus_the_jitter_per_task() -> None:
+    memory, model, variances, _ = fromp_memory()
+    assert memory.kernel_inverse.numel() == 0 and memory.task_kernel_inverse == []
+    memory.refresh(model, covariance=variances)
+    assert FROMP_JITTER == 1e-5 and len(memory.task_kernel_inverse) == 2
+    for t in range(2):
+        x = memory.inputs[memory.tasks == t]
+        expected = hand_kernel_inverse(model, x, flat(variances))
+        got = memory.task_kernel_inverse[t]
+        assert got.shape == (K, 5, 5)
+        assert torch.allclose(got, expected, rtol=1e-9, atol=1e-9)
+        kernel = torch.linalg.inv(got[0])  # cross-example terms kept: not diagonal
+        assert (kernel - torch.diag(kernel.diagonal())).abs().max() > 1e-3 * kernel.diagonal().max()
+    # a zero covariance leaves the jitter alone: K = 1e-5·I; another jitter is taken as given
+    zero = {n: torch.zeros_like(v) for n, v in variances.items()}
+    memory.refresh(model, covariance=zero)
+    assert torch.allclose(
+        memory.task_kernel_inverse[1], 1e5 * torch.eye(5, dtype=torch.float64).expand(K, 5, 5)
+    )
+    memory.refresh(model, covariance=zero, jitter=0.5)
+    assert torch.allclose(
+        memory.task_kernel_inverse[0], 2 * torch.eye(5, dtype=torch.float64).expand(K, 5, 5)
+    )
+    # a parameter left out of the covariance is held fixed: only the bias columns of J
+    memory.refresh(model, covariance={"bias": variances["bias"]})
+    x = memory.inputs[memory.tasks == 0]
+    s = torch.cat([torch.zeros(K * D, dtype=torch.float64), variances["bias"]])
+    assert torch.allclose(
+        memory.task_kernel_inverse[0], hand_kernel_inverse(model, x, s), rtol=1e-9
+    )
+
+
+def test_fromp_loss_and_its_gradient_are_fromp_s_objective_over_n() -> None:
+    memory, model, variances, _ = fromp_memory()
+    memory.refresh(model, covariance=variances)
+    p_old = torch.softmax(model(memory.inputs), dim=-1).detach()
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():  # move the weights: the objective is no longer at its minimum
+        model.weight.add_(0.3 * torch.randn(K, D, generator=gen).double())
+    model.zero_grad()
+    value = memory.loss(model(memory.inputs), data_size=40)
+    value.backward()
+    p = torch.softmax(model(memory.inputs), dim=-1).detach()
+    by_hand, grad = 0.0, torch.zeros(K * D + K, dtype=torch.float64)
+    for t in range(2):
+        rows = memory.tasks == t
+        J = hand_jacobians(model, memory.inputs[rows])
+        for c in range(K):
+            delta = (p - p_old)[rows, c]
+            K_inv = memory.task_kernel_inverse[t][c]
+            by_hand += float(delta @ K_inv @ delta) / 2
+            grad += J[c].T @ K_inv @ delta  # FROMP's code's gradient, Σ Jᵀ K⁻¹ Δ
+    assert by_hand > 1e-3
+    assert value.item() == pytest.approx(by_hand / 40, rel=1e-10)
+    autograd = torch.cat([model.weight.grad.flatten(), model.bias.grad])
+    assert torch.allclose(autograd, grad / 40, rtol=1e-8, atol=1e-14)
+
+
+def test_fromp_has_zero_gradient_at_the_refresh_point() -> None:
+    memory, model, variances, _ = fromp_memory()
+    memory.refresh(model, covariance=variances)
+    value = memory.loss(model(memory.inputs), data_size=10)
+    value.backward()
+    assert value.item() < 1e-25
+    assert model.weight.grad.abs().max() < 1e-14 and model.bias.grad.abs().max() < 1e-14
+
+
+def test_refresh_recomputes_targets_and_kernels_of_every_task_from_the_current_weights() -> None:
+    memory, model, variances, _ = fromp_memory()
+    with pytest.raises(ValueError, match="2 task\\(s\\) added since the last refresh"):
+        memory.loss(model(memory.inputs), 10)
+    memory.refresh(model, covariance=variances)
+    first = [k.clone() for k in memory.task_kernel_inverse]
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        model.weight.add_(torch.randn(K, D, generator=gen).double())
+    x3 = torch.randn(12, D, generator=gen).double()
+    memory.add_task(model, inputs=x3, targets=torch.randint(0, K, (12,), generator=gen))
+    with pytest.raises(ValueError, match="1 task\\(s\\) added since the last refresh"):
+        memory.loss(model(memory.inputs), 10)
+    memory.refresh(model, covariance=variances)
+    assert len(memory.task_kernel_inverse) == 3
+    assert torch.allclose(memory.outputs_old, model(memory.inputs).detach(), atol=1e-12)
+    for t in range(3):  # every task's kernel at the new weights, none at the old
+        expected = hand_kernel_inverse(model, memory.inputs[memory.tasks == t], flat(variances))
+        assert torch.allclose(memory.task_kernel_inverse[t], expected, rtol=1e-9, atol=1e-9)
+        if t < 2:
+            assert not torch.allclose(memory.task_kernel_inverse[t], first[t], rtol=1e-3)
+    # a refresh with another covariance changes the kernels, not the targets
+    targets = memory.outputs_old.clone()
+    memory.refresh(model, covariance={n: 2 * v for n, v in variances.items()})
+    assert torch.equal(memory.outputs_old, targets)
+    assert not torch.allclose(memory.task_kernel_inverse[0], expected, rtol=1e-3)
+
+
+def test_fromp_sigma_from_a_posterior_is_its_variance_over_the_temperature() -> None:
+    gen = torch.Generator().manual_seed(14)
+    W, variance = (
+        torch.randn(K, D, generator=gen).double(),
+        torch.rand(K, D, generator=gen).double(),
+    )
+    model = linear_model(W)
+    x, y = torch.randn(12, D, generator=gen).double(), torch.randint(0, K, (12,), generator=gen)
+    post = diagonal_gaussian(W, variance)
+    memories_ = [MemorablePast(6, "lambda", "fromp") for _ in range(4)]
+    for memory in memories_:
+        memory.add_task(model, inputs=x, targets=y)
+    memories_[0].refresh(model, posterior=post, temperature=1.0)
+    memories_[1].refresh(model, covariance={"weight": variance})
+    memories_[2].refresh(model, posterior=post, temperature=4.0)
+    memories_[3].refresh(model, covariance={"weight": variance / 4})
+    assert torch.allclose(
+        memories_[0].task_kernel_inverse[0], memories_[1].task_kernel_inverse[0], rtol=1e-12
+    )
+    assert torch.allclose(
+        memories_[2].task_kernel_inverse[0], memories_[3].task_kernel_inverse[0], rtol=1e-12
+    )
+    assert not torch.allclose(
+        memories_[0].task_kernel_inverse[0], memories_[2].task_kernel_inverse[0], rtol=1e-3
+    )
+    # a BLR optimizer is read as its posterior
+    torch.manual_seed(0)
+    net = nn.Linear(D, K)
+    opt = lgb.AffineBLR(net.parameters(), lr=0.1, scale_lr=0.1, data_size=30)
+    a, b = MemorablePast(4, "lambda", "fromp"), MemorablePast(4, "lambda", "fromp")
+    for memory in (a, b):
+        memory.add_task(net, inputs=x.float(), targets=y)
+    a.refresh(net, posterior=opt)
+    b.refresh(net, posterior=opt.posterior(net))
+    assert torch.equal(a.task_kernel_inverse[0], b.task_kernel_inverse[0])
+
+
+def test_fromp_scores_each_task_on_its_head() -> None:
+    # six outputs, two heads of three: task 0 on columns 0-2, task 1 on columns 3-5
+    gen = torch.Generator().manual_seed(15)
+    net = nn.Linear(D, 2 * K).double()
+    columns = [torch.arange(K), torch.arange(K, 2 * K)]
+    memory = MemorablePast(4, "random", "fromp")
+    for t in range(2):
+        x = torch.randn(10, D, generator=gen).double()
+        head = nn.Sequential(net, Columns(columns[t]))
+        memory.add_task(
+            head, inputs=x, targets=torch.randint(0, K, (10,), generator=gen), generator=gen
+        )
+    variances = {n: torch.rand(p.shape, generator=gen).double() for n, p in net.named_parameters()}
+    memory.refresh(net, covariance=variances, head=lambda f, t: f[:, columns[t]])
+    for t in range(2):
+        rows = memory.tasks == t
+        sub = nn.Linear(D, K).double()  # the head's own linear model: rows columns[t] of net
+        with torch.no_grad():
+            sub.weight.copy_(net.weight[columns[t]])
+            sub.bias.copy_(net.bias[columns[t]])
+        s = torch.cat([variances["weight"][columns[t]].flatten(), variances["bias"][columns[t]]])
+        expected = hand_kernel_inverse(sub, memory.inputs[rows], s)
+        assert torch.allclose(memory.task_kernel_inverse[t], expected, rtol=1e-9, atol=1e-9)
+        assert torch.allclose(
+            memory.outputs_old[rows], net(memory.inputs[rows])[:, columns[t]].detach()
+        )
+    with pytest.raises(ValueError, match="head: gives task 0 6 outputs"):
+        memory.refresh(net, covariance=variances)
+
+
+class Columns(nn.Module):
+    def __init__(self, columns: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("columns", columns)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return f[:, self.columns]
+
+
+def test_fromp_state_round_trips_and_the_old_fromp_state_is_refused(tmp_path: Path) -> None:
+    memory, model, variances, _ = fromp_memory()
+    memory.refresh(model, covariance=variances)
+    memory.save(tmp_path / "memory.pt")
+    loaded = MemorablePast.load(tmp_path / "memory.pt")
+    assert loaded.use == "fromp" and len(loaded.task_kernel_inverse) == 2
+    for a, b in zip(loaded.task_kernel_inverse, memory.task_kernel_inverse, strict=True):
+        assert torch.equal(a, b)
+    f = model(memory.inputs).detach() + 0.1
+    assert torch.equal(loaded.loss(f, 10), memory.loss(f, 10))
+    # a state of the old code's use="fromp": per-example [M, K, K] kernels, no per-task ones
+    old = memories()["fromp_logits", "categorical"].state_dict()
+    del old["task_kernel_inverse"]
+    old["use"] = "fromp"
+    with pytest.raises(ValueError, match="now use='fromp_logits'"):
+        MemorablePast.from_state_dict(old)
+    with pytest.raises(ValueError, match="now use='fromp_logits'"):
+        MemorablePast(6, "lambda", "fromp").load_state_dict(old)
+    old["use"] = "fromp_logits"  # the fix the message names
+    assert MemorablePast.from_state_dict(old).kernel_inverse.shape == (6, K, K)
+    kprior = memories()["kprior", "categorical"].state_dict()  # older states of other uses load
+    del kprior["task_kernel_inverse"]
+    assert MemorablePast.from_state_dict(kprior).task_kernel_inverse == []
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m, model, v: m.refresh(model, v), "refresh: takes the model, then keywords"),
+        (lambda m, model, v: m.refresh(model), "posterior, covariance: pass exactly one"),
+        (
+            lambda m, model, v: m.refresh(
+                model, covariance=v, posterior=diagonal_gaussian(model.weight.detach(), v["weight"])
+            ),
+            "posterior, covariance: pass exactly one",
+        ),
+        (
+            lambda m, model, v: m.refresh(model, covariance={"w": v["bias"]}),
+            "covariance: 'w' is not a parameter",
+        ),
+        (
+            lambda m, model, v: m.refresh(model, covariance={"bias": v["weight"]}),
+            "covariance: 'bias' has shape",
+        ),
+        (
+            lambda m, model, v: m.refresh(model, covariance={"bias": -v["bias"]}),
+            "covariance: 'bias' holds a negative",
+        ),
+        (lambda m, model, v: m.refresh(model, covariance={}), "covariance: empty"),
+        (
+            lambda m, model, v: m.refresh(model, covariance=v, jitter=0.0),
+            "jitter: must be a number > 0",
+        ),
+        (
+            lambda m, model, v: MemorablePast(3, use="fromp").refresh(model, covariance=v),
+            "memory: empty",
+        ),
+        (
+            lambda m, model, v: MemorablePast(3).refresh(model, covariance=v),
+            "only use='fromp' refreshes",
+        ),
+        (lambda m, model, v: m.loss(model(m.inputs)[:4], 10, torch.arange(4)), "rows=None"),
+    ],
+)
+def test_fromp_refusals_name_the_argument(call: Callable, message: str) -> None:
+    memory, model, variances, _ = fromp_memory()
+    if "rows" in message:
+        memory.refresh(model, covariance=variances)
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(memory, model, variances)

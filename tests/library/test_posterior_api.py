@@ -112,7 +112,7 @@ def test_a_reloaded_posterior_gives_the_optimizers_scores_loo_nll_and_kernel(
         assert not torch.equal(ones, each(lgb.sensitivity, opt))
 
     def remember(source, **options) -> tuple[torch.Tensor, MemorablePast]:
-        memory = MemorablePast(6, "sensitivity", "fromp")
+        memory = MemorablePast(6, "sensitivity", "fromp_logits")
         chosen = memory.add_task(
             model,
             posterior=source,
