@@ -18,16 +18,32 @@ per method, with its ``strategy`` and an ``[methods.LABEL.optimizer]`` table
   posterior learned so far (raised to the power ``prior_strength``, 1 = sequential Bayes) the
   prior of the next task. ``prior = "initial"`` is its ablation: the same boundary, but every
   task keeps the first task's N(0, 1/δ) prior and entropy term (the rule fine-tunes).
+  ``prior = "delta"`` is the K-prior's weight term (``next_task(prior="delta")``): the
+  N(0, 1/δ) prior centred on the point estimate that ended the task; ``prior = "none"``
+  drops the prior (FROMP's code has no weight term). With a memory, ``"posterior"`` counts
+  the kept examples' task twice (in the posterior and in the memory's term).
 
 Every strategy but ``joint`` takes a memory: ``memory = m`` > 0 keeps m examples of every
 finished task in a :class:`liegroup_blr.MemorablePast` (``memory_selection``: ``"lambda"``,
 FROMP's class-balanced λ; ``"random"``; ``"sensitivity"``, the memory-map score) with the
 model's prediction on them at the end of their task, and adds ``memory_strength`` times its
-term (``memory_use``: ``"kprior"``, the KL from the old prediction to the new; ``"fromp"``,
-FROMP's kernel-weighted distance; ``"replay"``, the hard labels' NLL) on a minibatch of the
-memory as large as the data's, each memory example counted as one of the task's N_t
-examples and scored on its task's head. The memory-map score and FROMP's kernel need a
-posterior (``posterior`` methods only).
+term (``memory_use``: ``"kprior"``, the KL from the old prediction to the new;
+``"fromp_logits"``, the logits' distance weighted by per-example kernels; ``"replay"``, the
+hard labels' NLL) on a minibatch of the memory as large as the data's, each memory example
+counted as one of the task's N_t examples and scored on its task's head. The memory-map score
+and ``"fromp_logits"``'s kernel need a posterior (``posterior`` methods only).
+``memory_use = "fromp"`` is FROMP as its code defines it: the probabilities' distance in
+per-class kernels over each task's points, on every memory row at every step, targets and
+kernels recomputed from the current weights for every stored task at each task boundary;
+its Σ is the posterior's (a rule) or the inverse of the diagonal GGN summed over the finished
+tasks' training examples plus ``memory_prior_precision`` (fine-tuning, EWC). FROMP's
+objective (1/τ)·mean loss + Σ ½ΔᵀK⁻¹Δ is ``memory_strength`` = τ·N_t with the gradient norm
+clipped at τ times FROMP's clip.
+
+``[train]`` ``schedule``: ``"cosine"`` (restarted every task, after ``warmup`` epochs) or
+``"constant"``; ``clip_norm`` > 0 clips the norm of every gradient a closure computes (0:
+none); ``restart_optimizer = true`` restarts a baseline optimizer's state (Adam's moments and
+step count) at every task boundary, as FROMP's code does.
 
 ``[stream] validation = V`` > 0 holds out V examples of the dataset's training set (drawn
 with ``validation_seed``, :func:`experiments.data.validation_split`): the tasks are built from
@@ -92,7 +108,7 @@ TASKS = "tasks.jsonl"
 POSTERIOR = "posterior.pt"
 MEMORY = "memory.pt"
 DIVERGED = "diverged.json"
-PRIORS = ("posterior", "initial")
+PRIORS = ("posterior", "initial", "delta", "none")
 
 SECTIONS: dict[str, dict[str, Any]] = {
     "stream": {
@@ -105,7 +121,15 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "validation_seed": 0,
     },
     "model": {"widths": [100, 100], "activation": "relu"},
-    "train": {"epochs": COUNT, "batch_size": 64, "warmup": 0, "test_batch_size": 1000},
+    "train": {
+        "epochs": COUNT,
+        "batch_size": 64,
+        "warmup": 0,
+        "test_batch_size": 1000,
+        "schedule": "cosine",
+        "clip_norm": 0.0,  # > 0: clip every gradient's norm to it
+        "restart_optimizer": False,  # a baseline's state restarts at every task boundary
+    },
     "eval": {"samples": 32, "bins": 20},
 }
 
@@ -115,6 +139,7 @@ MEMORY_KEYS: dict[str, Any] = {
     "memory_selection": "lambda",
     "memory_use": "kprior",
     "memory_strength": 1.0,
+    "memory_prior_precision": 1e-5,  # "fromp" without a posterior: Σ = 1/(summed GGN + this)
 }
 # keys of a [methods.LABEL] table besides its optimizer, by strategy
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -123,9 +148,10 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "joint": {},
     "posterior": {"prior": "posterior", "prior_strength": 1.0, **MEMORY_KEYS},
 }
-NEEDS_POSTERIOR = {"memory_selection": "sensitivity", "memory_use": "fromp"}
+NEEDS_POSTERIOR = {"memory_selection": "sensitivity", "memory_use": "fromp_logits"}
 """Memory settings that need a posterior (a ``posterior`` method): the memory-map score and
-FROMP's kernel."""
+``"fromp_logits"``'s kernel (``"fromp"`` takes the summed GGN without one)."""
+SCHEDULES = ("cosine", "constant")
 BASELINE_OPTIMIZERS = ("sgd", "adam")  # finetune, ewc, joint
 BLR_OPTIMIZERS = ("additive", "multiplicative", "affine", "lie")  # posterior
 
@@ -176,10 +202,10 @@ def _check_prior(where: str, method: dict[str, Any]) -> None:
     strength = method["prior_strength"]
     if not (math.isfinite(strength) and strength > 0):
         raise ConfigError(f"{where}.prior_strength must be finite and > 0, got {strength}")
-    if method["prior"] == "initial" and strength != 1.0:
+    if method["prior"] != "posterior" and strength != 1.0:
         raise ConfigError(
             f"{where}.prior_strength: {strength} weights the previous posterior, which "
-            'prior = "initial" removes; drop prior_strength'
+            f'prior = "{method["prior"]}" does not use; drop prior_strength'
         )
 
 
@@ -192,13 +218,17 @@ def _check_memory(where: str, method: dict[str, Any]) -> None:
             raise ConfigError(f"{where}.{key}: unknown {method[key]!r}; valid: {list(valid)}")
     if not method["memory_strength"] > 0:
         raise ConfigError(f"{where}.memory_strength must be > 0, got {method['memory_strength']}")
+    if not method["memory_prior_precision"] > 0:
+        raise ConfigError(
+            f"{where}.memory_prior_precision must be > 0, got {method['memory_prior_precision']}"
+        )
     if method["strategy"] != "posterior" and method["memory"]:
         for key, value in NEEDS_POSTERIOR.items():
             if method[key] == value:
                 raise ConfigError(
                     f"{where}.{key}: {value!r} needs a posterior; strategy "
                     f"{method['strategy']!r} has a point estimate only (use memory_selection "
-                    '"lambda" or "random", memory_use "kprior" or "replay")'
+                    '"lambda" or "random", memory_use "kprior", "fromp" or "replay")'
                 )
 
 
@@ -236,6 +266,18 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
         )
     if not 0 <= cfg["train"]["warmup"] < cfg["train"]["epochs"]:
         raise ConfigError("[train].warmup must satisfy 0 <= warmup < epochs")
+    train = cfg["train"]
+    if train["schedule"] not in SCHEDULES:
+        raise ConfigError(f"[train].schedule: unknown {train['schedule']!r}; valid: {SCHEDULES}")
+    if not train["clip_norm"] >= 0:
+        raise ConfigError(
+            f"[train].clip_norm must be >= 0 (0: no clipping), got {train['clip_norm']}"
+        )
+    if train["restart_optimizer"] and cfg["method"]["strategy"] == "posterior":
+        raise ConfigError(
+            "[train].restart_optimizer: a rule's state is its posterior, which the next task "
+            "takes as prior; restart only baselines (drop it for posterior methods)"
+        )
 
 
 def run_configs(
@@ -271,13 +313,87 @@ class Learner(loop.Trainee):
     ewc: OnlineEWC | None
     memory: lgb.MemorablePast | None
     eval_set: str
+    ggn: SummedGGN | None = None
 
     @property
     def strategy(self) -> str:
         return str(self.cfg["method"]["strategy"])
 
     def extra_state(self) -> dict[str, Any]:
-        return {"ewc": self.ewc, "memory": self.memory}
+        extra: dict[str, Any] = {"ewc": self.ewc, "memory": self.memory}
+        return extra if self.ggn is None else {**extra, "ggn": self.ggn}
+
+
+class SummedGGN:
+    r"""FROMP's Σ without a posterior: the diagonal GGN summed over the finished tasks'
+    training examples, :math:`G = \sum_t N_t F_t` (:func:`~experiments.ewc.diagonal_fisher`'s
+    mean Fisher of a softmax, which is its GGN :math:`J^\top(\operatorname{diag}p -
+    pp^\top)J`), and :math:`\Sigma = (G + \delta)^{-1}`."""
+
+    def __init__(self) -> None:
+        self.ggn: dict[str, Tensor] = {}
+
+    def add(self, mean_ggn: dict[str, Tensor], size: int) -> None:
+        for n, g in mean_ggn.items():
+            self.ggn[n] = size * g if n not in self.ggn else self.ggn[n] + size * g
+
+    def covariance(self, prior_precision: float) -> dict[str, Tensor]:
+        return {n: 1 / (g + prior_precision) for n, g in self.ggn.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ggn": dict(self.ggn)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ggn = dict(state["ggn"])
+
+
+def diagonal_ggn(
+    model: nn.Module, inputs: Tensor, mask: Tensor, chunk: int = 1000
+) -> dict[str, Tensor]:
+    r""":func:`~experiments.ewc.diagonal_fisher` (the mean diagonal GGN of the softmax over
+    the head's columns, ``mask``), fast where every trained parameter is an ``nn.Linear``'s
+    on 2-d inputs: per class k one batched backward of :math:`\sqrt{p_k}(e_k - p)` from the
+    logits, and per layer :math:`\sum_i g_{ik}^2 a_i^{2\top}` (its per-example gradients
+    :math:`g_{ik}a_i^\top` are outer products). Otherwise ``diagonal_fisher`` itself."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    trained = {n: q for n, q in model.named_parameters() if q.requires_grad}
+    owned = {id(q) for m in linears for q in m.parameters()}
+    if any(id(q) not in owned for q in trained.values()):
+        return diagonal_fisher(model, inputs, mask)
+    names = {id(q): n for n, q in trained.items()}
+    total = {n: torch.zeros_like(q) for n, q in trained.items()}
+    seen: dict[nn.Module, tuple[Tensor, Tensor]] = {}
+
+    def keep(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+        seen[module] = (args[0].detach(), output)
+
+    hooks = [m.register_forward_hook(keep) for m in linears]
+    was_training = model.training
+    model.eval()
+    try:
+        for x in inputs.split(chunk):
+            seen.clear()
+            logits = model(x) + mask
+            if any(a.ndim != 2 for a, _ in seen.values()):
+                return diagonal_fisher(model, inputs, mask)
+            p = torch.softmax(logits, dim=-1).detach()
+            outputs = [seen[m][1] for m in linears]
+            for k in torch.isfinite(mask).nonzero().flatten().tolist():
+                direction = -p
+                direction[:, k] += 1
+                direction = direction * p[:, k : k + 1].sqrt()
+                grads = torch.autograd.grad(logits, outputs, direction, retain_graph=True)
+                for m, g in zip(linears, grads, strict=True):
+                    a, g2 = seen[m][0], g.detach().square()
+                    if id(m.weight) in names:
+                        total[names[id(m.weight)]] += g2.T @ a.square()
+                    if m.bias is not None and id(m.bias) in names:
+                        total[names[id(m.bias)]] += g2.sum(0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return {n: v / len(inputs) for n, v in total.items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -295,9 +411,11 @@ def _stream_data(stream: dict[str, Any]) -> Dataset:
     return data
 
 
-def _task_lr(epoch: int, epochs: int, warmup: int) -> float:
+def _task_lr(epoch: int, epochs: int, warmup: int, schedule: str = "cosine") -> float:
     """The learning-rate factor of global epoch ``epoch``: every task restarts the schedule
-    (warm-up, then a cosine over its ``epochs``)."""
+    (warm-up, then a cosine over its ``epochs``, or constant)."""
+    if schedule == "constant":
+        return lr_factor(epoch % epochs, epochs, warmup) if epoch % epochs < warmup else 1.0
     return lr_factor(epoch % epochs, epochs, warmup)
 
 
@@ -319,7 +437,8 @@ def build(cfg: dict[str, Any]) -> Learner:
     model = MLP(data.input_shape, data.num_classes, m["widths"], m["activation"]).to(device)
     method = cfg["method"]
     optimizer = build_optimizer(method["optimizer"], model.parameters(), len(tasks[0].train_y))
-    scheduler = LambdaLR(optimizer, partial(_task_lr, epochs=t["epochs"], warmup=t["warmup"]))
+    schedule = partial(_task_lr, epochs=t["epochs"], warmup=t["warmup"], schedule=t["schedule"])
+    scheduler = LambdaLR(optimizer, schedule)
     ewc = None
     if method["strategy"] == "ewc":
         ewc = OnlineEWC(method["ewc_lambda"], method["ewc_gamma"])
@@ -331,7 +450,10 @@ def build(cfg: dict[str, Any]) -> Learner:
     generator = torch.Generator().manual_seed(seed)
     masks = masks.to(device)
     parts = (model, optimizer, scheduler, generator, ewc, memory, data.eval_set)
-    return Learner(cfg, tasks, masks, columns, *parts)
+    ggn = None
+    if memory is not None and memory.use == "fromp" and method["strategy"] != "posterior":
+        ggn = SummedGGN()
+    return Learner(cfg, tasks, masks, columns, *parts, ggn)
 
 
 def _check_tasks(tasks: list[Task], batch_size: int, eval_set: str) -> None:
@@ -367,7 +489,9 @@ def _closure(
     learner: Learner, x: Tensor, y: Tensor, mask: Tensor, rows: Tensor | None, size: int
 ) -> Any:
     """Mean cross-entropy over each example's head (+ the EWC penalty, + λ times the memory's
-    term on its ``rows``, each memory example one of the task's ``size``), backward."""
+    term on its ``rows``, each memory example one of the task's ``size``), backward, the
+    gradient's norm clipped to ``[train] clip_norm`` where it is > 0."""
+    clip = learner.cfg["train"]["clip_norm"]
 
     def closure() -> Tensor:
         learner.optimizer.zero_grad()
@@ -378,9 +502,20 @@ def _closure(
             strength = learner.cfg["method"]["memory_strength"]
             loss = loss + strength * _memory_loss(learner, rows, size)
         loss.backward()
+        if clip:
+            _clip_gradient(learner.model, clip)
         return loss.detach()
 
     return closure
+
+
+def _clip_gradient(model: nn.Module, clip: float) -> None:
+    """Scale the gradient to norm ``clip`` where its norm is larger (FROMP's code's clip)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if norm > clip:
+        for g in grads:
+            g.mul_(clip / norm)
 
 
 def _memory_loss(learner: Learner, rows: Tensor, size: int) -> Tensor:
@@ -390,7 +525,7 @@ def _memory_loss(learner: Learner, rows: Tensor, size: int) -> Tensor:
     assert memory is not None
     logits = learner.model(memory.inputs[rows])
     head = logits.gather(1, learner.columns[memory.tasks[rows]])
-    return memory.loss(head, data_size=size, rows=rows)
+    return memory.loss(head, data_size=size, rows=None if memory.use == "fromp" else rows)
 
 
 def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, epoch: int) -> float:
@@ -407,7 +542,7 @@ def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, e
 
 def _steps(learner: Learner, data: tuple[Tensor, Tensor, Tensor]) -> Iterator[partial[Any]]:
     """The steps of one pass over ``data``: each an optimizer step on a minibatch of a fresh
-    order and, with a memory, a minibatch of the memory as large."""
+    order and, with a memory, a minibatch of the memory as large (``"fromp"``: every row)."""
     x, y, ids = data
     batch = learner.cfg["train"]["batch_size"]
     order = torch.randperm(len(y), generator=learner.data_rng).to(y.device)
@@ -415,7 +550,9 @@ def _steps(learner: Learner, data: tuple[Tensor, Tensor, Tensor]) -> Iterator[pa
     for step in range(len(y) // batch):
         idx = order[step * batch : (step + 1) * batch]
         rows = None
-        if memory is not None and len(memory):
+        if memory is not None and len(memory) and memory.use == "fromp":
+            rows = torch.arange(len(memory), device=y.device)
+        elif memory is not None and len(memory):
             rows = torch.randperm(len(memory), generator=learner.data_rng)[:batch]
             rows = rows.to(y.device)
         closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]], rows, len(y))
@@ -436,27 +573,33 @@ def _diverged(t: int, divergence: Divergence) -> DivergedError:
 
 def _next_task(learner: Learner, t: int) -> None:
     """The task boundary after task t: EWC consolidates; a rule keeps task t's examples in
-    its memory and makes its posterior the prior of task t + 1 (``next_task`` with its data
-    size), or, with ``prior = "initial"``, restarts the momenta and keeps its first prior."""
+    its memory and starts task t + 1 with ``next_task`` (its data size, the method's
+    ``prior``), or, with ``prior = "initial"``, restarts the momenta and keeps its first
+    prior."""
     if learner.ewc is not None:
         task = learner.tasks[t]
-        fisher = diagonal_fisher(learner.model, task.train_x, learner.masks[t])
+        fisher = diagonal_ggn(learner.model, task.train_x, learner.masks[t])
         learner.ewc.consolidate(learner.model, fisher)
     if learner.memory is not None:
         _remember(learner, t)
+    if learner.cfg["train"]["restart_optimizer"]:
+        learner.optimizer.state.clear()  # Adam's moments and step count, as FROMP's code
     if learner.strategy == "posterior":
         method, optimizer = learner.cfg["method"], learner.optimizer
         size, strength = len(learner.tasks[t + 1].train_y), method["prior_strength"]
-        optimizer.next_task(data_size=size, strength=strength)  # type: ignore[attr-defined]
+        prior = "none" if method["prior"] == "initial" else method["prior"]
+        next_task = optimizer.next_task  # type: ignore[attr-defined]
+        next_task(data_size=size, prior=prior, strength=strength)
         if method["prior"] == "initial":
-            optimizer.set_prior(None)  # type: ignore[attr-defined]
             for group in optimizer.param_groups:
                 group["prior_precision"] = method["optimizer"]["prior_precision"]
 
 
 def _remember(learner: Learner, t: int) -> None:
     """Add task t's examples to the memory, chosen and predicted on its head (with the
-    posterior where the method has one), with a generator seeded by the run's seed and t."""
+    posterior where the method has one), with a generator seeded by the run's seed and t;
+    ``"fromp"`` then refreshes every stored task's targets and kernels, Σ the posterior's or
+    the inverse of task 1 … t's summed GGN plus ``memory_prior_precision``."""
     assert learner.memory is not None
     task, columns = learner.tasks[t], learner.columns[t]
     labels = (task.train_y[:, None] == columns).int().argmax(1)  # the label's column in its head
@@ -470,6 +613,20 @@ def _remember(learner: Learner, t: int) -> None:
         targets=labels,
         generator=generator,
     )
+    if learner.memory.use != "fromp":
+        return
+    select = partial(_head_of, learner.columns)
+    if learner.ggn is None:
+        learner.memory.refresh(learner.model, posterior=learner.optimizer, head=select)
+        return
+    learner.ggn.add(diagonal_ggn(learner.model, task.train_x, learner.masks[t]), len(task.train_y))
+    covariance = learner.ggn.covariance(learner.cfg["method"]["memory_prior_precision"])
+    learner.memory.refresh(learner.model, covariance=covariance, head=select)
+
+
+def _head_of(columns: Tensor, outputs: Tensor, t: int) -> Tensor:
+    """The outputs of task t's head: its columns of the network's."""
+    return outputs[:, columns[t]]
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -203,6 +203,100 @@ def _label(method: str, by_estimate: Mapping[str, Any], samples: int, note: str)
     return f"{method} ({'; '.join(parts)})" if parts else method
 
 
+RULES = ("affine", "additive", "multiplicative")
+"""The Lie-group rules by the name their methods' labels start with (``affine``,
+``affine_no_prior``, ``affine_kprior_lambda`` …): one panel each in the average-accuracy
+figure, the other methods (the baselines) in grey in every panel."""
+
+USES = {
+    "kprior": "K-prior",
+    "fromp": "FROMP",
+    "fromp_logits": "FROMP on the logits",
+    "replay": "replay",
+}
+"""A memory's use (``memory_use``) as a label part, in words."""
+
+LABEL_PARTS: dict[tuple[str, ...], str] = {
+    ("no", "prior"): "prior removed",
+    ("posterior",): "posterior as prior",
+    ("finetune",): "fine-tuning",
+    ("ewc",): "EWC",
+    ("joint",): "joint",
+    **{tuple(use.split("_")): words for use, words in USES.items()},
+    ("lambda",): "λ points",
+    ("random",): "random points",
+    ("score",): "memory-map score points",
+    ("sensitivity",): "memory-map score points",
+    ("memory",): "memory",
+    ("delta",): "δ-prior at the previous mean",
+    ("logits",): "on the logits",
+    ("probabilities",): "on the probabilities",
+    ("adam",): "Adam",
+    ("sgd",): "SGD",
+}
+"""The parts of a method's label (split at ``_``) in words: its method or strategy, its
+memory's use and its selection; :func:`label_words` composes them, and a part not here reads
+as itself."""
+
+
+def _parts(tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """``tokens`` as (part, words), the longest part of :data:`LABEL_PARTS` first."""
+    longest = max(map(len, LABEL_PARTS))
+    out, i = [], 0
+    while i < len(tokens):
+        for n in range(min(longest, len(tokens) - i), 0, -1):
+            key = tuple(tokens[i : i + n])
+            if key in LABEL_PARTS or n == 1:
+                out.append(("_".join(key), LABEL_PARTS.get(key, key[0])))
+                i += n
+                break
+    return out
+
+
+def label_words(label: str, rule: bool = True) -> str:
+    """A method's label in words, from its parts: a rule's rows read ``affine, posterior as
+    prior`` (the label is the rule alone), ``affine, prior removed`` (``_no_prior``),
+    ``affine, K-prior, λ points`` (``_kprior_lambda``); a baseline's ``fine-tuning``,
+    ``EWC``, ``EWC + replay, random points`` (a method, then the memory it adds).
+    ``rule=False`` leaves the rule's name out (a panel of that rule)."""
+    tokens = [t for t in label.split("_") if t]
+    if tokens and tokens[0] in RULES:
+        words = [w for _, w in _parts(tokens[1:])] or ["posterior as prior"]
+        return ", ".join([tokens[0], *words] if rule else words)
+    parts = _parts(tokens)
+    if len(parts) > 1 and parts[1][0] in USES:
+        parts[:2] = [("", f"{parts[0][1]} + {parts[1][1]}")]
+    return ", ".join(w for _, w in parts) or label
+
+
+def rule_of(label: str) -> str | None:
+    """The rule a method's label starts with (:data:`RULES`), None for a baseline."""
+    head = label.split("_", 1)[0]
+    return head if head in RULES else None
+
+
+def _curve(leaves: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+    """Mean and mean ± sd over seeds (%) per task of a summary's ``average_accuracy``."""
+    values = [[100 * float(v) for v in leaf["values"]] for leaf in leaves]
+    mean = np.asarray([statistics.fmean(v) for v in values])
+    sd = np.asarray([statistics.stdev(v) if len(v) > 1 else 0.0 for v in values])
+    return {"mean": mean, "low": mean - sd, "high": mean + sd}
+
+
+def _with_note(words: str, note: str) -> str:
+    return f"{words} ({note})" if note else words
+
+
+def _curves_of(by_estimate: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """:func:`_curve` of a method's model average if it has one (its point estimate as
+    ``dashed``), else of its point estimate."""
+    estimate = "average" if "average" in by_estimate else "point"
+    curve = _curve(by_estimate[estimate]["average_accuracy"])
+    if estimate == "average":
+        curve["dashed"] = _curve(by_estimate["point"]["average_accuracy"])["mean"]
+    return curve
+
+
 def average_accuracy_figure(
     summary: Mapping[str, Mapping[str, Any]],
     samples: int,
@@ -211,21 +305,32 @@ def average_accuracy_figure(
     seeds: Sequence[int] = (),
     diverged: Mapping[str, Sequence[int]] | None = None,
 ) -> None:
-    """Average accuracy against tasks learned: per method (one colour) the mean over seeds
-    as a line and the band between the lowest and the highest seed; a rule with a
-    posterior shows its model average of ``samples``, and its point estimate dashed; the
-    labels name the ``diverged`` seeds (method → seeds) of the ``seeds``."""
+    """Average accuracy against tasks learned, one panel per rule (:data:`RULES`) with that
+    rule's methods in colour and every other method (the baselines) in grey; a stream whose
+    methods are not a rule's is one panel of them all. Per method the mean over seeds as a
+    line and a band of ± sd; a rule with a posterior shows its model average of ``samples``
+    (said in its panel's title), and its point estimate dashed; the rows are in words
+    (:func:`label_words`) and name the ``diverged`` seeds (method → seeds) of the
+    ``seeds``."""
     notes = _notes(seeds, diverged or {})
-    curves: dict[str, dict[str, np.ndarray]] = {}
-    for method, by_estimate in _trained(summary).items():
-        estimate = "average" if "average" in by_estimate else "point"
-        values = 100 * np.asarray([c["values"] for c in by_estimate[estimate]["average_accuracy"]])
-        label = _label(method, by_estimate, samples, notes.get(method, ""))
-        curves[label] = {"mean": values.mean(1), "low": values.min(1), "high": values.max(1)}
-        if estimate == "average":
-            point = np.asarray([c["values"] for c in by_estimate["point"]["average_accuracy"]])
-            curves[label]["dashed"] = 100 * point.mean(1)
-    figures.average_accuracy(curves, path, title)
+    trained = _trained(summary)
+    split = any(rule_of(m) for m in trained)
+    panels: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+    shared: dict[str, dict[str, np.ndarray]] = {}
+    for rule in [r for r in RULES if any(rule_of(m) == r for m in trained)] if split else [""]:
+        methods = [m for m in trained if rule_of(m) == rule] if split else list(trained)
+        name = f"{rule} rule" if split else ""
+        if any("average" in trained[m] for m in methods):
+            average = f"model average of {samples}"
+            name = f"{name} ({average})" if name else f"a posterior's {average}"
+        panels[name] = {}
+        for method in methods:
+            words = label_words(method, rule=not split)
+            panels[name][_with_note(words, notes.get(method, ""))] = _curves_of(trained[method])
+    for method in [m for m in trained if split and rule_of(m) is None]:
+        words = _with_note(label_words(method), notes.get(method, ""))
+        shared[words] = _curves_of(trained[method])
+    figures.average_accuracy(panels, path, title, shared)
 
 
 def final_bars(

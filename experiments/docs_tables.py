@@ -316,37 +316,38 @@ CONTINUAL_BASELINES = (
     ("ewc_replay_random", "point", ("Adam, online EWC", "—", "replay, random", "9: step × weight")),
     ("joint", "point", ("Adam, joint (all data so far)", "—", "every example", "not tuned")),
 )
-MEMORY_CELLS = {
-    "kprior_lambda": "K-prior, λ",
-    "kprior_random": "K-prior, random",
-    "kprior_score": "K-prior, memory-map score",
-    "fromp_lambda": "FROMP, λ",
-    "replay_random": "replay, random",
+POSTERIOR = "the posterior so far"
+TWICE = "the posterior so far (the past counted twice)"
+DELTA = "δ-prior at the previous mean"
+VARIANTS = {
+    "": (POSTERIOR, "—", "9: step × w"),
+    "_no_prior": ("the first task's (prior removed)", "—", "9: step × δ or τ"),
+    "_delta": (DELTA, "—", "9: step × δ"),
+    "_kprior_lambda": (DELTA, "K-prior, λ", "9: step × weight"),
+    "_kprior_random": (DELTA, "K-prior, random", "9: step × weight"),
+    "_posterior_kprior_lambda": (TWICE, "K-prior, λ", "9: step × weight"),
+    "_posterior_kprior_random": (TWICE, "K-prior, random", "9: step × weight"),
+    "_posterior_kprior_score": (TWICE, "K-prior, memory-map score", "9: step × weight"),
+    "_posterior_fromp_logits_lambda": (TWICE, "FROMP on the logits, λ", "9: step × weight"),
+    "_replay_random": (POSTERIOR, "replay, random", "9: step × weight"),
 }
-CONTINUAL_VARIANTS = (
-    ("", ("the posterior so far", "—", "9: step × w")),
-    ("_no_prior", ("the first task's (prior removed)", "—", "9: step × δ or τ")),
-    *(
-        (f"_{key}", ("the posterior so far", cell, "9: step × weight"))
-        for key, cell in MEMORY_CELLS.items()
-    ),
-)
+"""A rule's row by its label's suffix: (the prior of each new task, the memory, the budget)."""
 RULES = ("affine", "additive", "multiplicative")
-LEAD_MEMORIES = tuple(MEMORY_CELLS)
-"""The affine rule's memory rows; the other rules have K-prior, λ and replay, random."""
-OTHER_MEMORIES = ("kprior_lambda", "replay_random")
+COMPOSED = (*(key for key in VARIANTS if key.startswith("_posterior_")), "_replay_random")
+"""The memory rows with the posterior as prior."""
+OTHER_COMPOSED = ("_posterior_kprior_lambda", "_replay_random")
+"""The additive and multiplicative rules' memory rows with the posterior as prior."""
 
 
 def continual_rows(memories: dict[str, tuple[str, ...]], budget: bool = True) -> tuple[Any, ...]:
     """Rows of a continual stream's table: Adam's methods at their point estimate, then each
-    rule's model average (rule → the keys of :data:`MEMORY_CELLS` of its memory rows) with
-    its posterior as prior, without it, and with each memory; without the equal ``budget``,
+    rule's model average with its posterior as prior, without it, and its other rows (rule →
+    the suffixes of :data:`VARIANTS` it has beside those two); without the equal ``budget``,
     each tuned row says it had a grid of its own."""
     rows = CONTINUAL_BASELINES + tuple(
-        (rule + suffix, "average", (f"{rule} rule, average of 32", *cells))
+        (rule + suffix, "average", (f"{rule} rule, average of 32", *VARIANTS[suffix]))
         for rule, kept in memories.items()
-        for suffix, cells in CONTINUAL_VARIANTS
-        if suffix in ("", "_no_prior") or suffix[1:] in kept
+        for suffix in ("", "_no_prior", *kept)
     )
     if budget:
         return rows
@@ -358,17 +359,57 @@ def continual_rows(memories: dict[str, tuple[str, ...]], budget: bool = True) ->
     )
 
 
+PERMUTED_TUNING = {
+    "finetune": "9: step × δ; interior (δ = 0: no prior)",
+    "ewc": "12 in two rounds: step × λ; interior",
+    "ewc_replay_random": "34 in three rounds: step × weight × λ; interior",
+    "joint": "not tuned",
+    "affine": "9: step × w, τ 20 before; w at its edge (1)",
+    "affine_no_prior": "9: step × δ, τ 20 before; a corner",
+    "affine_delta": "9: step × δ, τ 20 before; interior",
+    "affine_kprior_lambda": "12: step × weight, τ 20 before; the next step diverged",
+    "affine_kprior_random": "9: step × weight, τ 20 before; interior",
+    "affine_posterior_kprior_lambda": "9: step × weight, τ 20 before; step at its edge",
+    "affine_posterior_kprior_random": "9: step × weight, τ 20 before; interior",
+    "affine_posterior_fromp_logits_lambda": "9: step × weight, τ 20 before; a corner",
+    "affine_replay_random": "9: step × weight, τ 20 before; a corner",
+    "additive": "9: step × w; w at its edge (1)",
+    "additive_no_prior": "9 (3 distinct): step × τ; step at its edge",
+    "additive_posterior_kprior_lambda": "9: step × weight; weight at its edge",
+    "additive_replay_random": "9: step × weight; weight at its edge",
+    "multiplicative": "9: step × w, τ 15 before; w at its edge (1)",
+    "multiplicative_no_prior": "9: step × τ, τ 15 before; τ at its edge",
+    "multiplicative_posterior_kprior_lambda": "9: step × weight, τ 15 before; a corner",
+    "multiplicative_replay_random": "9: step × weight, τ 15 before; step at its edge",
+}
+"""Each permuted row's whole tuning budget (the points of every grid it had, the rules'
+temperatures chosen in earlier grids) and where its choice sits in its last grid."""
+
+
+def with_tuning(rows: tuple[Any, ...], tuning: dict[str, str]) -> tuple[Any, ...]:
+    """``rows`` with each one's last cell (how it was tuned) taken from ``tuning``."""
+    return tuple((label, est, (*cells[:-1], tuning[label])) for label, est, cells in rows)
+
+
 CONTINUAL_ROWS = {
-    "continual_permuted": continual_rows(
-        {
-            "affine": tuple(m for m in LEAD_MEMORIES if m != "kprior_score"),
-            "additive": OTHER_MEMORIES,
-            "multiplicative": OTHER_MEMORIES,
-        }
+    "continual_permuted": with_tuning(
+        continual_rows(
+            {
+                "affine": (
+                    "_delta",
+                    "_kprior_lambda",
+                    "_kprior_random",
+                    *(m for m in COMPOSED if m != "_posterior_kprior_score"),
+                ),
+                "additive": OTHER_COMPOSED,
+                "multiplicative": OTHER_COMPOSED,
+            }
+        ),
+        PERMUTED_TUNING,
     ),
     "continual_split": continual_rows(dict.fromkeys(RULES, ()), budget=False),
     "continual_split_single": continual_rows(
-        {"affine": LEAD_MEMORIES, "additive": OTHER_MEMORIES, "multiplicative": OTHER_MEMORIES}
+        {"affine": COMPOSED, "additive": OTHER_COMPOSED, "multiplicative": OTHER_COMPOSED}
     ),
 }
 """Rows of each stream's table (the multi-head Split stream: no memory rows; the permuted

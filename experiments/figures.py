@@ -517,34 +517,129 @@ def final_accuracy(
     _save(fig, path)
 
 
-def average_accuracy(
-    curves: Mapping[str, Mapping[str, np.ndarray]], path: Path, title: str = ""
-) -> None:
-    """Average accuracy (%), on an axis from 0 to 100, against the number of tasks learned,
-    one colour per method.
+GREYS: list[tuple[str, Any, str]] = [
+    ("0.15", "-", "s"),
+    ("0.45", ":", "^"),
+    ("0.3", "-.", "D"),
+    ("0.55", (0, (5, 1, 1, 1)), "v"),
+    ("0.35", (0, (1, 3)), "P"),
+    ("0.6", (0, (8, 2)), "X"),
+]
+"""Colour (a grey), line style and marker of each line drawn in every panel of
+:func:`average_accuracy` (the baselines), in order."""
+COLOURS = [f"tab:{c}" for c in ("blue", "orange", "green", "red", "purple", "brown", "pink")]
+COLOURS += ["tab:olive", "tab:cyan"]
+"""The colours of a panel's own curves in :func:`average_accuracy`: tab10 without its grey."""
+PANEL_WIDTH, PANEL_HEIGHT, ZOOM_HEIGHT = 5.0, 4.5, 2.8  # inches, :func:`average_accuracy`
+ZOOM, ZOOM_CLUSTER = 15.0, 4
+"""How many points of accuracy the zoomed row of :func:`average_accuracy` spans, and how many
+curves must end in it for the row to be drawn."""
 
-    ``curves`` maps a method to arrays over tasks: ``mean`` (a line), ``low`` and ``high``
-    (a band, e.g. the lowest and highest seed) and optionally ``dashed`` (a second line in
-    the same colour, e.g. the point estimate beside the model average). The legend names
-    every method, the band and the dashed lines.
-    """
-    fig, ax = plt.subplots(figsize=CURVES_SIZE)
-    cmap = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
-    for i, (label, c) in enumerate(curves.items()):
-        colour = cmap(i % cmap.N)
+
+def _accuracy_panel(
+    ax: plt.Axes,
+    curves: Mapping[str, Mapping[str, np.ndarray]],
+    shared: Mapping[str, Mapping[str, np.ndarray]],
+) -> None:
+    """One panel of :func:`average_accuracy`: ``shared`` in grey under ``curves``."""
+    for i, (label, c) in enumerate(shared.items()):
+        grey, ls, marker = GREYS[i % len(GREYS)]
         tasks = np.arange(1, len(c["mean"]) + 1)
-        ax.plot(tasks, c["mean"], marker=".", color=colour, label=label)
-        ax.fill_between(tasks, c["low"], c["high"], color=colour, alpha=0.2, lw=0)
+        (line,) = ax.plot(tasks, c["mean"], color=grey, ls=ls, marker=marker, ms=3, lw=1.2)
+        line.set_gid(f"shared:{label}")
         if "dashed" in c:
-            ax.plot(tasks, c["dashed"], ls="--", lw=1, color=colour)
-    ax.fill_between([], [], color="grey", alpha=0.2, lw=0, label="band: lowest to highest seed")
-    if any("dashed" in c for c in curves.values()):
-        ax.plot([], [], ls="--", lw=1, color="grey", label="dashed: point estimate (at g)")
-    ax.set(xlabel="tasks learned", ylabel="average accuracy over tasks learned (%)")
-    ax.set_ylim(0.0, 100.0)
-    ax.set_title(title, fontsize="small")
-    ax.set_xticks(np.arange(1, max(len(c["mean"]) for c in curves.values()) + 1))
+            ax.plot(tasks, c["dashed"], ls="--", lw=0.8, color=grey, alpha=0.6)
+    for i, (label, c) in enumerate(curves.items()):
+        colour, marker = COLOURS[i % len(COLOURS)], STYLES[i % len(STYLES)][1]
+        tasks = np.arange(1, len(c["mean"]) + 1)
+        ax.plot(tasks, c["mean"], color=colour, marker=marker, ms=4, lw=1.6, label=label)
+        ax.fill_between(tasks, c["low"], c["high"], color=colour, alpha=0.15, lw=0)
+        if "dashed" in c:
+            ax.plot(tasks, c["dashed"], ls="--", lw=0.9, color=colour)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower left", fontsize="x-small", ncol=1 if len(curves) <= 6 else 2)
-    fig.tight_layout()
+
+
+def average_accuracy_size(panels: int, entries: int, zoom: bool) -> tuple[float, float]:
+    """The size (inches) of :func:`average_accuracy`'s figure of ``panels`` columns, at most
+    ``entries`` curves in one, with the zoomed row or without."""
+    below = 1.0 + 0.17 * entries  # the x label, the columns' legends, the figure's legend
+    height = 0.4 + PANEL_HEIGHT + (ZOOM_HEIGHT if zoom else 0.0) + below
+    return max(CURVES_SIZE[0], PANEL_WIDTH * panels), height
+
+
+def average_accuracy(
+    panels: Mapping[str, Mapping[str, Mapping[str, np.ndarray]]],
+    path: Path,
+    title: str = "",
+    shared: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    band: str = "band: mean ± sd over seeds",
+    zoom: float | None = ZOOM,
+) -> None:
+    """Average accuracy (%) against the number of tasks learned, as small multiples: one
+    column per entry of ``panels`` (panel title → its curves), side by side on one y axis
+    from 0 to 100, its curves in colour with a legend in the panel, and the ``shared``
+    curves (e.g. the baselines) in grey in every panel, named once in the figure's legend.
+    A second row repeats the panels on the top ``zoom`` points of the axis, below the
+    highest mean, when :data:`ZOOM_CLUSTER` curves or more end there (the best methods
+    close together); ``zoom=None`` never draws it. Each column's legend lies under it.
+
+    A curve is arrays over tasks: ``mean`` (a line), ``low`` and ``high`` (a band, drawn
+    for the panels' curves only; ``band`` says what it is) and optionally ``dashed`` (a
+    second line in the same colour, e.g. the point estimate beside the model average).
+    Curves are keyed by their legend text.
+    """
+    shared = shared or {}
+    if not panels:
+        raise ValueError("average_accuracy: no panel to draw")
+    every = [c for p in panels.values() for c in p.values()] + list(shared.values())
+    top = min(100.0, math.ceil(max(float(np.nanmax(c["mean"])) for c in every) + 1.0))
+    if zoom is not None and sum(c["mean"][-1] >= top - zoom for c in every) < ZOOM_CLUSTER:
+        zoom = None
+    n, rows = len(panels), 1 if zoom is None else 2
+    entries = max(len(p) for p in panels.values())
+    width, height = average_accuracy_size(n, entries, zoom is not None)
+    fig, axes = plt.subplots(
+        rows,
+        n,
+        figsize=(width, height),
+        sharey="row",
+        sharex=True,
+        squeeze=False,
+        height_ratios=[PANEL_HEIGHT, ZOOM_HEIGHT][:rows],
+    )
+    tasks_max = max(len(c["mean"]) for c in every)
+    dashed = any("dashed" in c for c in every)
+    for column, (name, curves) in enumerate(panels.items()):
+        for row in range(rows):
+            _accuracy_panel(axes[row][column], curves, shared)
+        ax = axes[0][column]
+        ax.set_title(name, fontsize="medium")
+        axes[-1][column].set_xlabel("tasks learned")
+        if curves:
+            own, labels = ax.get_legend_handles_labels()
+            axes[-1][column].legend(
+                own,
+                labels,
+                loc="upper center",
+                bbox_to_anchor=(0.5, -0.16),
+                fontsize="small",
+                frameon=False,
+            )
+    axes[0][0].set_xticks(np.arange(1, tasks_max + 1))
+    axes[0][0].set_ylabel("average accuracy over tasks learned (%)")
+    axes[0][0].set_ylim(0.0, 100.0)
+    if zoom is not None:
+        axes[1][0].set_ylim(top - zoom, top)
+        axes[1][0].set_ylabel(f"zoom: the top {zoom:g} points (%)")
+    handles: list[Any] = [
+        Line2D([], [], color=g, ls=ls, marker=marker, ms=3, lw=1.2, label=label)
+        for i, label in enumerate(shared)
+        for g, ls, marker in [GREYS[i % len(GREYS)]]
+    ]
+    handles.append(Patch(color="grey", alpha=0.3, label=band))
+    if dashed:
+        handles.append(Line2D([], [], ls="--", lw=0.9, color="grey", label="dashed: at g"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize="small")
+    fig.suptitle(title, fontsize="small")
+    fig.tight_layout(rect=(0.0, 0.45 / height, 1.0, 1.0))
     _save(fig, path)

@@ -148,9 +148,10 @@ class Trainee:
         loss) in turn, with a progress bar (``desc``, ``total`` steps, the images per second
         at ``size`` per batch); returns the mean loss (over the processes).
 
-        Unless ``diverged`` is None, raises what it makes of the first non-finite loss or,
-        after an update, non-finite parameter (a last update can break the parameters while
-        every loss was finite)."""
+        Unless ``diverged`` is None, raises what it makes of the first non-finite loss,
+        after an update non-finite parameter (a last update can break the parameters while
+        every loss was finite), or ``FloatingPointError`` of the optimizer (a BLR optimizer's
+        ``max_consecutive_skips`` steps skipped in a row)."""
         main = self.processes is None or self.processes.main
         bar = tqdm(
             steps, total=total, desc=desc, unit="batch", disable=None if main else True, leave=False
@@ -159,7 +160,12 @@ class Trainee:
         start = time.perf_counter()
         self.model.train()
         for step, take in enumerate(bar, 1):
-            loss = float(take())
+            try:
+                loss = float(take())
+            except FloatingPointError as err:  # a BLR optimizer's skips in a row: diverged
+                if diverged is None or isinstance(err, DivergedError):
+                    raise
+                raise diverged(Divergence(epoch, f"at step {step}, {err}")) from err
             if diverged is not None:
                 if not math.isfinite(loss):
                     raise diverged(Divergence(epoch, f"loss {loss} at step {step}", step, loss))

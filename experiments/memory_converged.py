@@ -520,10 +520,17 @@ def summarise(estimates: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str
     return out
 
 
+REMOVALS_LABEL = "a removal (from the converged control)"
+FLOOR_DRIFT_LABEL = "floor (red ×) and drift (grey +): the change"
+"""The converged figure's legend entry of the removals' curves and the axis label of the
+floor's and the drift's points (:func:`figure`)."""
+
+
 def figure(estimates: dict[str, Any], rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Three panels: the objective J − min J over L-BFGS iterations (control and removals),
-    and per space the estimate against the truth on log-log axes, the identity line drawn,
-    with the floor (retraining alone) at the same estimates."""
+    """Three panels: the objective J − min J over L-BFGS iterations (control and removals,
+    each in the legend), and per space the estimate against the truth on log-log axes, the
+    identity line drawn, with the floor (retraining alone) and the drift (control − trained)
+    at the same estimates: their x is not the truth, so the top axis says what it is."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -531,7 +538,7 @@ def figure(estimates: dict[str, Any], rows: list[dict[str, Any]], path: Path, ti
 
     c = changes(rows)
     idx = c["examples"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5.0))
     ax = axes[0]
     chunk = None
     for r in rows:
@@ -550,10 +557,11 @@ def figure(estimates: dict[str, Any], rows: list[dict[str, Any]], path: Path, ti
             lw=2 if kind else 0.8,
             label="control (nothing removed)" if kind else None,
         )
+    ax.plot([], [], color="tab:blue", alpha=0.5, lw=0.8, label=REMOVALS_LABEL)
     ax.set_xlabel("L-BFGS iterations")
     ax.set_ylabel("objective − its final value")
     ax.set_title("the full-batch objective settles")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper right", fontsize=8)
     for ax, (space, key, name) in zip(
         axes[1:],
         (("f", "logits", "logits ‖Δf‖₁"), ("p", "probabilities", "probabilities ‖Δp‖₁")),
@@ -574,7 +582,9 @@ def figure(estimates: dict[str, Any], rows: list[dict[str, Any]], path: Path, ti
         shown = np.concatenate([truth, est, floor, drift])
         lo, hi = shown[shown > 0].min(), shown.max()
         ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="identity")
-        ax.set_xlabel(f"true change of the {name}")
+        ax.set_xlabel(f"true change of the {name} (blue •)")
+        top = ax.secondary_xaxis("top")
+        top.set_xlabel(f"{FLOOR_DRIFT_LABEL} of the {name}", color="0.3", fontsize=9)
         ax.set_ylabel("estimate")
         ax.set_title(f"{name}: Spearman {spearman(est, truth):.2f}")
         ax.legend(loc="lower right", fontsize=8)

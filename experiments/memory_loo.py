@@ -12,13 +12,18 @@ table (:data:`LOO`): a grid of prior precisions δ. For every run, δ and seed, 
 - ``loo``: the leave-one-out NLL of the training examples estimated from the posterior alone
   (:func:`liegroup_blr.loo_nll`), in both forms (``corrected``, ``first_order``), and
   ``train``: the same NLL without the shift (the training NLL at that prediction);
+  ``loo_sources``: the estimate from every variance source of :data:`SOURCES` (the rule's
+  posterior, a diagonal GGN, K-FAC and the exact GGN at the mean; cross-class terms), both
+  forms, None where undefined, and ``loo_seconds``, what each source took;
 - ``validation`` and ``test``: the NLL of the held-out training examples and of the test
   set, at the posterior mean (``point``, the prediction the estimate shifts) and averaged
   over ``samples`` posterior samples (``average``), with their accuracies.
 
 ``DIR`` gets ``config.json`` (every resolved config and the ``[memory.loo]`` table),
 ``results.json`` (per run: ``per_seed``, per seed the summary of every δ, ``deltaD``, and
-the δ each criterion picks, ``picks``; ``summary``, their mean ± sd over seeds),
+the δ each criterion picks, ``picks``; ``summary``, their mean ± sd over seeds, and
+``selection``: per criterion its target (:data:`TARGETS`), picks, how many seeds pick within
+one grid step of the target's pick, and the NLL cost of its pick),
 ``docs_summary.json`` (:func:`experiments.memory_converged.write_docs_summary`: what
 ``docs/results/NAME.json`` holds) and ``model_selection.png`` (the criteria against δ).
 """
@@ -32,9 +37,11 @@ if __name__ == "__main__":  # before the imports of torch: --help is quick
     cli.answer_help(PROG, __doc__, cli.parse_seeds)
 
 import copy
+import functools
 import math
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,16 +68,45 @@ LOO: dict[str, Any] = {
 run), ``samples`` posterior samples for the model average (and for a sample-form variance),
 ``batch_size`` examples per batch of the estimate."""
 
-CRITERIA = {
+SOURCES = ("posterior", "diagonal_ggn", "kfac", "ggn")
+"""The variance sources of :func:`liegroup_blr.loo_nll` (``variance=``) whose estimates
+``loo_sources`` holds, each with the cross-class terms (the whole Λ_i and V_i); the
+library's ``"hessian"`` is left out (170 s for one digits run, and at δ = 1, seed 0 its
+N·H + δ was not positive definite at the trained mean)."""
+EXACT_LIMIT = 5_000
+"""The most parameters for which the exact sources (``ggn``, ``hessian``) are computed (each
+run inverts a P × P matrix); above, their entries are None."""
+
+CRITERIA: dict[str, tuple[str, Any]] = {
     "loo corrected": ("loo", "corrected"),
     "loo first order": ("loo", "first_order"),
+    **{
+        f"loo {source} {form.replace('_', ' ')}": ("loo_sources", (source, form))
+        for source in SOURCES
+        for form in ("corrected", "first_order")
+    },
     "train": ("train", None),
     "validation (point)": ("validation", "point"),
     "validation (average)": ("validation", "average"),
     "test (point)": ("test", "point"),
     "test (average)": ("test", "average"),
 }
-"""The criteria compared, by name: where each lies in a summary."""
+"""The criteria compared, by name: where each lies in a summary. ``loo corrected`` and ``loo
+first order`` are the rule's posterior's estimate without the cross-class terms (the
+memory-perturbation paper's diagonal form); ``loo SOURCE FORM`` each source's with them."""
+
+TARGETS = {
+    **{c: "validation (point)" for c in CRITERIA if c.startswith("loo")},
+    "train": "validation (point)",
+    "validation (point)": "test (point)",
+    "validation (average)": "test (average)",
+}
+"""What each criterion estimates, by the criterion that measures it on held-out data from the
+training distribution: every leave-one-out form shifts the logits at the posterior mean and
+takes the plug-in softmax there, so it estimates the held-out NLL of the prediction at the
+mean (``validation (point)``, the validation split being drawn from the training set); the
+validation NLLs estimate the test NLLs of the same predictive (where the test set is drawn
+as the training set is)."""
 
 
 def _check(table: dict[str, Any], configs: dict[str, dict[int, dict[str, Any]]]) -> None:
@@ -154,7 +190,69 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
             return None
         return float(value)
 
+    def sources() -> tuple[dict[str, Any], dict[str, float]]:
+        """Every source's estimate in both forms (None where undefined), with cross-class
+        terms, V computed once per source (as :func:`liegroup_blr.loo_nll` computes it);
+        and the seconds each source took."""
+        from liegroup_blr import memory
+
+        post_ = lgb.Posterior.from_optimizer(run.optimizer, run.model)
+        if post_.temperature is None:
+            raise ValueError("the run's param groups differ in temperature")
+        tau = float(post_.temperature)
+        size = sum(e.shape.numel() for e in post_.values())
+        method = memory._method(post_, "auto")
+        out_: dict[str, Any] = {}
+        seconds: dict[str, float] = {}
+        for source in SOURCES:
+            start = time.perf_counter()
+            out_[source] = {"corrected": None, "first_order": None}
+            if source in ("ggn", "hessian") and size > EXACT_LIMIT:
+                continue
+            try:
+                with memory._evaluating(run.model):
+                    moments = list(
+                        memory._untempered(
+                            run.model,
+                            run.optimizer,
+                            post_,
+                            tau,
+                            x,
+                            y,
+                            source,
+                            method,
+                            table["samples"],
+                            table["batch_size"],
+                            torch.Generator(run.device).manual_seed(seed),
+                            True,
+                            "categorical",
+                            1.0,
+                            None,
+                        )
+                    )
+            except ValueError as err:
+                if not str(err).startswith("variance: the 'hessian' precision"):
+                    raise
+                seconds[source] = time.perf_counter() - start
+                continue
+            for form in lgb.memory.LOO_FORMS:
+                try:
+                    nll = torch.cat(
+                        [
+                            memory._loo_nll(f, V, y[rows], "categorical", 1.0, form)
+                            for rows, f, V in moments
+                        ]
+                    )
+                except ValueError as err:
+                    if not str(err).startswith("form: the corrected"):
+                        raise
+                    continue
+                out_[source][form] = float(nll.mean())
+            seconds[source] = time.perf_counter() - start
+        return out_, seconds
+
     post = lgb.Posterior.from_optimizer(run.optimizer, run.model).with_point_estimate("mean")
+    loo_sources, seconds = sources()
     mm = lgb.memory_map(
         run.model,
         run.optimizer,
@@ -168,6 +266,8 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
     leverage = (mm.predictions - mm.predictions.square()) * mm.variances  # λv
     out: dict[str, Any] = {
         "loo": {form: estimate(form) for form in lgb.memory.LOO_FORMS},
+        "loo_sources": loo_sources,
+        "loo_seconds": seconds,
         "train": float(-p_label.log().mean()),
         "leverage_max": float(leverage.max()),
         "leverage_at_least_1": int((leverage >= 1).any(-1).sum()),
@@ -184,8 +284,12 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def value(summary: dict[str, Any], criterion: str) -> float:
-    """The NLL of ``criterion`` (:data:`CRITERIA`) in a summary."""
+    """The NLL of ``criterion`` (:data:`CRITERIA`) in a summary (NaN where it is undefined or
+    the summary does not hold it)."""
     where, key = CRITERIA[criterion]
+    if where == "loo_sources":  # absent from summaries written before the sources
+        got = summary.get(where, {}).get(key[0], {}).get(key[1])
+        return math.nan if got is None else float(got)
     entry = summary[where]
     if where == "loo":
         return math.nan if entry[key] is None else float(entry[key])
@@ -203,31 +307,109 @@ def picks(by_delta: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
+def selection(per_seed: dict[str, dict[str, Any]], grid: Sequence[float]) -> dict[str, Any]:
+    """Per criterion with a target (:data:`TARGETS`): its picks per seed, its target's, on how
+    many seeds it lies within one step of the grid of its target's pick (``within_one``), and
+    what its pick costs in the target's NLL against the target's best δ (``cost``), and in
+    the test NLL at the mean against the best δ for it (``test_cost``), means over the
+    seeds where it picks a δ."""
+    order = sorted(float(d) for d in grid)
+    out: dict[str, Any] = {}
+    for c, target in TARGETS.items():
+        rows: dict[str, Any] = {"target": target, "picks": [], "target_picks": [], "within_one": 0}
+        costs, test_costs = [], []
+        for summaries in per_seed.values():
+            chosen, best = summaries["picks"][c], summaries["picks"][target]
+            rows["picks"].append(chosen)
+            rows["target_picks"].append(best)
+            if chosen is None or best is None:
+                continue
+            rows["within_one"] += abs(order.index(chosen) - order.index(best)) <= 1
+            at = {
+                float(d.removeprefix("delta")): s
+                for d, s in summaries.items()
+                if d.startswith("delta")
+            }
+            costs.append(value(at[chosen], target) - value(at[best], target))
+            test_best = summaries["picks"]["test (point)"]
+            test_costs.append(
+                value(at[chosen], "test (point)") - value(at[test_best], "test (point)")
+            )
+        rows["seeds"] = len(per_seed)
+        rows["picks"] = aggregate(rows["picks"])  # {"mean", "sd", "values"}: docs quote values
+        rows["target_picks"] = aggregate(rows["target_picks"])
+        rows["cost"] = statistics.fmean(costs) if costs else None
+        rows["test_cost"] = statistics.fmean(test_costs) if test_costs else None
+        out[key(c)] = rows
+    return out
+
+
+def key(criterion: str) -> str:
+    """A criterion's name as a key without spaces or brackets (``docs/results`` keys):
+    ``"loo ggn corrected"`` → ``"loo_ggn_corrected"``, ``"validation (point)"`` →
+    ``"validation_point"``."""
+    return criterion.replace(" (", "_").replace(")", "").replace(" ", "_")
+
+
+STYLES: dict[str, tuple[str, Any, str]] = {
+    "loo corrected": ("tab:blue", "-", "o"),
+    "loo first order": ("tab:cyan", (0, (1, 1)), "P"),
+    "train": ("0.45", "--", "x"),
+    "validation (point)": ("tab:orange", "-", "s"),
+    "validation (average)": ("tab:orange", (0, (3, 1, 1, 1)), "D"),
+    "test (point)": ("tab:red", "-.", "^"),
+    "test (average)": ("tab:red", ":", "v"),
+}
+"""Colour, line style and marker of each criterion in :func:`figure`: a marker of its own
+each, and no two criteria of one colour share a line style; a criterion not here takes
+the next of :data:`MORE_MARKERS` (:func:`styles`)."""
+MORE_MARKERS = ("<", ">", "p", "h", "d", "8", "H", "1", "2", "3", "4", "+", "|", "_")
+DODGE, SPREAD = 0.04, 0.3
+"""How far apart (in decades of δ) :func:`figure` draws the criteria at one δ, so that
+values that coincide (every criterion at the largest δ) stay apart, and the widest the
+criteria of one δ may spread (many criteria: closer together)."""
+
+
+def styles(criteria: Sequence[str]) -> dict[str, tuple[Any, Any, str]]:
+    """Colour, line style and marker of each of ``criteria``: :data:`STYLES`, else a marker
+    of :data:`MORE_MARKERS` each (distinct for up to that many more criteria)."""
+    import matplotlib.pyplot as plt
+
+    out: dict[str, tuple[Any, Any, str]] = {}
+    more = [c for c in criteria if c not in STYLES]
+    for c in criteria:
+        if c in STYLES:
+            out[c] = STYLES[c]
+            continue
+        k = more.index(c)
+        dashes = ("-", "--", "-.", ":")[k % 4]
+        out[c] = (plt.get_cmap("tab20")(k % 20), dashes, MORE_MARKERS[k % len(MORE_MARKERS)])
+    return out
+
+
 def figure(results: dict[str, Any], path: Path, data: str) -> None:
     """Per run, the criteria's mean over seeds against δ (log axis), ± sd as error bars, the
-    δ each picks marked; ``data`` names the data set and model in the titles."""
+    δ each picks marked; ``data`` names the data set and model in the titles. Each criterion
+    has its own marker and line style (:func:`styles`) and is drawn a little to the side
+    of δ (:data:`DODGE`), so that none hides another where their values coincide; the
+    criteria drawn are those of :data:`CRITERIA` the summaries hold."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = list(results)
-    fig, axes = plt.subplots(1, len(labels), figsize=(6.5 * len(labels), 4.6), squeeze=False)
-    styles = {
-        "loo corrected": ("tab:blue", "-", "o"),
-        "loo first order": ("tab:cyan", ":", "."),
-        "train": ("0.6", "--", "."),
-        "validation (point)": ("tab:orange", "-", "s"),
-        "validation (average)": ("tab:orange", ":", "D"),
-        "test (point)": ("tab:red", "-", "^"),
-        "test (average)": ("tab:red", ":", "v"),
-    }
+    fig, axes = plt.subplots(1, len(labels), figsize=(8.0 * len(labels), 5.0), squeeze=False)
     for ax, label in zip(axes[0], labels, strict=True):
         per_seed = results[label]["per_seed"]
         deltas = [d for d in next(iter(per_seed.values())) if d.startswith("delta")]
         deltas.sort(key=lambda d: float(d.removeprefix("delta")))
-        xs = [float(d.removeprefix("delta")) for d in deltas]
-        for c, (colour, ls, marker) in styles.items():
+        first = next(iter(per_seed.values()))[deltas[0]]
+        drawn = styles([c for c in CRITERIA if CRITERIA[c][0] in first])
+        step = min(DODGE, SPREAD / max(1, len(drawn) - 1))
+        for k, (c, (colour, ls, marker)) in enumerate(drawn.items()):
+            shift = 10 ** (step * (k - (len(drawn) - 1) / 2))
+            xs = [float(d.removeprefix("delta")) * shift for d in deltas]
             means, sds = [], []
             for d in deltas:
                 vals = [value(summaries[d], c) for summaries in per_seed.values()]
@@ -237,14 +419,27 @@ def figure(results: dict[str, Any], path: Path, data: str) -> None:
                     continue
                 means.append(statistics.fmean(vals))
                 sds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
-            ax.errorbar(xs, means, yerr=sds, color=colour, ls=ls, marker=marker, label=c)
+            ax.errorbar(
+                xs,
+                means,
+                yerr=sds,
+                color=colour,
+                ls=ls,
+                marker=marker,
+                ms=5,
+                lw=1.3,
+                mfc="none" if marker not in ("x", "P") else colour,
+                mew=1.3,
+                capsize=2,
+                label=c,
+            )
             defined = [k for k in range(len(xs)) if not math.isnan(means[k])]
             if defined:
                 best = min(defined, key=means.__getitem__)
-                ax.plot(xs[best], means[best], marker="*", ms=14, color=colour, mec="k")
+                ax.plot(xs[best], means[best], marker="*", ms=12, color=colour, mec="k", zorder=3)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("prior precision δ")
+        ax.set_xlabel("prior precision δ (each criterion drawn slightly to the side of its δ)")
         ax.set_ylabel("NLL per example (point: at the posterior mean)")
         seeds = len(per_seed)
         ax.set_title(
@@ -257,6 +452,56 @@ def figure(results: dict[str, Any], path: Path, data: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _seed_value(metrics: dict[str, Any], delta: str, i: int, key: str) -> float | None:
+    """The ``i``-th seed's value of ``delta.key`` in a docs summary's metrics (None: none)."""
+    leaf = metrics.get(f"{delta}.{key}")
+    return None if leaf is None else leaf["values"][i]
+
+
+def _sources_from_docs(metrics: dict[str, Any], at: Any) -> dict[str, Any]:
+    """``loo_sources`` (per variance source and form) if the docs summary holds it."""
+    keys = [k.split(".loo_sources.", 1)[1] for k in metrics if ".loo_sources." in k]
+    if not keys:
+        return {}
+    sources = dict.fromkeys(k.split(".", 1)[0] for k in keys)
+    forms = ("corrected", "first_order")
+    return {"loo_sources": {s: {f: at(f"loo_sources.{s}.{f}") for f in forms} for s in sources}}
+
+
+def results_from_docs(docs_summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``per_seed`` summaries (every criterion of :data:`CRITERIA` per δ) of a
+    ``docs/results`` summary (:func:`experiments.memory_converged.write_docs_summary`),
+    for :func:`figure` without training; a criterion a seed lacks at a δ (the corrected
+    estimate where it is undefined) is None there."""
+    out: dict[str, Any] = {}
+    for label, entry in docs_summary["labels"].items():
+        seeds = entry["seeds"]
+        per_seed: dict[str, dict[str, Any]] = {f"seed{s}": {} for s in seeds}
+        deltas = {k.removesuffix(".train") for k in entry["metrics"] if k.endswith(".train")}
+        deltas |= {k.split(".loo.", 1)[0] for k in entry["metrics"] if ".loo." in k}
+        for delta in sorted(d for d in deltas if d.startswith("delta")):
+            for i, seed in enumerate(seeds):
+                at = functools.partial(_seed_value, entry["metrics"], delta, i)
+                per_seed[f"seed{seed}"][delta] = {
+                    "loo": {form: at(f"loo.{form}") for form in ("corrected", "first_order")},
+                    "train": at("train"),
+                    **_sources_from_docs(entry["metrics"], at),
+                    **{
+                        split: {e: {"nll": at(f"{split}.{e}.nll")} for e in ("point", "average")}
+                        for split in ("validation", "test")
+                    },
+                }
+        out[label] = {"seeds": seeds, "per_seed": per_seed}
+    return out
+
+
+def docs_figure(docs_summary: dict[str, Any], path: Path) -> None:
+    """:func:`figure` of a ``docs/results`` summary (its ``full_config`` names the data)."""
+    runs = docs_summary["full_config"]["runs"]
+    first = next(iter(next(iter(runs.values())).values()))
+    figure(results_from_docs(docs_summary), path, skeleton.data_name(first, path.parent))
 
 
 def model_selection(
@@ -296,7 +541,10 @@ def model_selection(
                 per_seed[f"seed{seed}"] = {**summaries, "picks": picks(summaries)}
             results[label] = {
                 "seeds": list(by_seed),
-                "summary": aggregate(list(per_seed.values())),
+                "summary": {
+                    **aggregate(list(per_seed.values())),
+                    "selection": selection(per_seed, list(grid.values())),
+                },
                 "per_seed": per_seed,
             }
         runfiles.write_json(out / "results.json", results)
@@ -311,6 +559,16 @@ def _show(results: dict[str, Any], out: Path) -> None:
         for seed, summaries in res["per_seed"].items():
             chosen = summaries["picks"]
             print(f"{label} {seed}: " + ", ".join(f"{c} δ={d}" for c, d in chosen.items()))
+        for c, row in res["summary"]["selection"].items():
+            chosen_, best_ = (
+                v["values"] if isinstance(v, dict) else v
+                for v in (row["picks"], row["target_picks"])
+            )
+            print(
+                f"{label} {c}: picks {chosen_}, target {row['target']} "
+                f"{best_}, within one step on {row['within_one']} of "
+                f"{row['seeds']}, cost {row['cost']}, test cost {row['test_cost']}"
+            )
     print(f"results in {out}")
 
 

@@ -563,8 +563,9 @@ class BLROptimizer(Optimizer):
 
         ``strength`` w > 0 tempers the prior to :math:`q_\text{prev}^w/Z` (only the
         cross-entropy weighted: :math:`E_q[\bar\ell] + \frac{\tau}{N}[-H(q) -
-        w\,E_q\log q_\text{prev}]`), whose gradient is :math:`\frac{\tau}{N}[w\nabla\mathrm{KL}(q\|q_\text{prev})
-        - (1 - w)\nabla H(q)]`. w = 1 (the default) is exact sequential Bayes; a Gaussian
+        w\,E_q\log q_\text{prev}]`), whose gradient is
+        :math:`\frac{\tau}{N}[w\nabla\mathrm{KL}(q\|q_\text{prev}) - (1 - w)\nabla H(q)]`.
+        w = 1 (the default) is exact sequential Bayes; a Gaussian
         :math:`\mathcal N(m, P^{-1})` tempers to :math:`\mathcal N(m, (wP)^{-1})`: w > 1 pulls
         back harder, w < 1 lets the new task move further (docs/lifelong.md says what each
         rule feels). Saved in :meth:`state_dict`.

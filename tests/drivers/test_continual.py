@@ -284,7 +284,12 @@ def test_smoke_config_runs_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFi
                 assert r[0, 0] > 0.8  # 0 vs 1 after one epoch: far above chance (0.5)
     assert (out / "report.md").read_text().startswith("# Continual learning: split mnist5k")
     image = plt_image(out / "average_accuracy.png")
-    assert image.shape[:2] == figures.pixel_size(figures.CURVES_SIZE)
+    rules = {continual_report.rule_of(m) for m in methods}
+    columns = [[m for m in methods if continual_report.rule_of(m) == r] for r in rules - {None}]
+    columns = columns or [methods]  # a column per rule, or one of every method
+    entries = max(map(len, columns))
+    sizes = [figures.average_accuracy_size(len(columns), entries, zoom) for zoom in (0, 1)]
+    assert image.shape[:2] in [figures.pixel_size(size) for size in sizes]
     bars = plt_image(out / "final_accuracy.png")
     assert bars.shape[1] == figures.pixel_size(figures.CURVES_SIZE)[1]
     written = json.loads((out / "config.json").read_text())
@@ -416,6 +421,37 @@ def test_the_prior_removed_keeps_the_first_task_s_regularisers(tmp_path: Path) -
         delta = 0.0 if has_prior else cfg["method"]["optimizer"]["prior_precision"]
         assert state["param_groups"][0]["prior_precision"] == delta == (0.0 if has_prior else 100.0)
         assert state["param_groups"][0]["data_size"] == 800  # the second task's
+
+
+def test_the_k_prior_s_weight_term_and_no_prior_reach_the_optimizer(tmp_path: Path) -> None:
+    """prior = "delta": after the boundary δ is kept and the δ-prior is centred on the point
+    estimate that ended the first task (the memory's old outputs are that model's); "none":
+    δ is 0 and nothing is centred; neither sets the posterior as prior, and a prior strength
+    with either is refused."""
+    raw = smoke()
+    memory = {"memory": 10, "memory_use": "kprior"}
+    raw["methods"]["kprior"] = {**raw["methods"]["affine"], "prior": "delta", **memory}
+    raw["methods"]["none"] = {**raw["methods"]["affine"], "prior": "none"}
+    checked = {}
+    for label in ("kprior", "none"):
+        cfg = continual.resolve(raw, label, 0)
+        learner = continual.build(cfg)
+        for epoch in range(cfg["train"]["epochs"]):
+            continual.train_epoch(learner, continual._training_set(learner, 0), 0, epoch)
+        with learner.optimizer.point_estimate():  # type: ignore[attr-defined]
+            end = [p.detach().clone() for p in learner.model.parameters()]
+        continual._next_task(learner, 0)
+        state = learner.optimizer.state_dict()
+        assert "prior" not in state
+        delta = state["param_groups"][0]["prior_precision"]
+        checked[label] = (delta, sorted(state.get("prior_centre", {})))
+        if label == "kprior":
+            centres = [state["prior_centre"][i] for i in range(len(end))]
+            assert all(torch.equal(c, e) for c, e in zip(centres, end, strict=True))
+    assert checked == {"kprior": (100.0, [0, 1, 2, 3, 4, 5]), "none": (0.0, [])}
+    raw["methods"]["bad"] = {**raw["methods"]["none"], "prior_strength": 2.0}
+    with pytest.raises(ConfigError, match='prior = "none" does not use; drop prior_strength'):
+        continual.resolve(raw, "bad", 0)
 
 
 def test_each_memory_example_counts_as_one_of_the_task_and_the_prior_strength_is_passed_on(
@@ -608,8 +644,8 @@ def test_bad_tuning_configs_are_clear_errors(
         ({"stream": {"validation": -1}}, r"\[stream\].validation must be >= 0"),
         ({"threads": -1}, "threads must be >= 0"),
         (
-            {"methods": {"x": {"strategy": "posterior", "prior": "none", **AFFINE}}},
-            "unknown 'none'",
+            {"methods": {"x": {"strategy": "posterior", "prior": "nothing", **AFFINE}}},
+            "unknown 'nothing'",
         ),
         (
             {"methods": {"x": {"strategy": "posterior", "memory_selection": "loss", **AFFINE}}},
@@ -636,10 +672,23 @@ def test_bad_tuning_configs_are_clear_errors(
         (
             {
                 "methods": {
-                    "x": {"strategy": "finetune", "memory": 5, "memory_use": "fromp", **ADAM}
+                    "x": {"strategy": "finetune", "memory": 5, "memory_use": "fromp_logits"} | ADAM
                 }
             },
-            "memory_use: 'fromp' needs a posterior",
+            "memory_use: 'fromp_logits' needs a posterior",
+        ),
+        ({"train": {"schedule": "linear"}}, r"\[train\].schedule: unknown 'linear'"),
+        ({"train": {"clip_norm": -1.0}}, r"\[train\].clip_norm must be >= 0"),
+        (
+            {
+                "train": {"restart_optimizer": True},
+                "methods": {"x": {"strategy": "posterior", **AFFINE}},
+            },
+            "restart_optimizer: a rule's state is its posterior",
+        ),
+        (
+            {"methods": {"x": {"strategy": "finetune", "memory_prior_precision": 0.0, **ADAM}}},
+            "memory_prior_precision must be > 0",
         ),
         (
             {"methods": {"x": {"strategy": "posterior", "prior_strength": 0.0, **AFFINE}}},
@@ -678,8 +727,13 @@ def test_shipped_continual_configs_resolve(path: Path) -> None:
     runs = continual.run_configs(raw)
     strategies = {next(iter(by_seed.values()))["method"]["strategy"] for by_seed in runs.values()}
     rules_only = path.stem.endswith("_rules_tuning")  # the rules' half of a stream's tuning
-    assert strategies >= ({"posterior"} if rules_only else {"finetune", "ewc", "posterior"})
-    assert ("joint" in strategies) is not tuning
+    baselines_only = path.stem.endswith("_baselines_tuning")  # a baselines' grid extended
+    fromp_only = path.stem.endswith("_fromp")  # FROMP's code and its Adam controls
+    expected = {"posterior"} if rules_only else {"finetune", "ewc", "posterior"}
+    if baselines_only or fromp_only:
+        expected = {"ewc"} if baselines_only else {"finetune"}
+    assert strategies >= expected
+    assert ("joint" in strategies) is not (tuning or fromp_only)
     for by_seed in runs.values():
         for cfg in by_seed.values():
             assert not Path(cfg["stream"]["root"]).is_absolute()
@@ -764,3 +818,138 @@ def test_a_diverged_run_is_reported_and_the_others_finish(
     again = continual.continual(raw, out, resume=True, seeds=[0, 1])
     assert again == json.loads((out / "results.json").read_text()) == results
     assert not diverging & set(started)  # the recorded divergences are not trained again
+
+
+def test_an_optimizer_that_stops_on_skipped_steps_is_a_diverged_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule whose gradients are never finite skips its steps until its
+    ``max_consecutive_skips`` raises FloatingPointError: that run is recorded as diverged,
+    naming the optimizer's reason, and the other methods train (the driver does not stop)."""
+    closure_of = continual._closure
+
+    def nan_gradients(learner: Any, *args: Any) -> Any:
+        closure = closure_of(learner, *args)
+        if learner.strategy != "posterior":
+            return closure
+
+        def broken() -> torch.Tensor:
+            loss = closure()
+            for p in learner.model.parameters():
+                p.grad.fill_(math.nan)
+            return loss
+
+        return broken
+
+    monkeypatch.setattr(continual, "_closure", nan_gradients)
+    raw = smoke()
+    raw["methods"] = {k: raw["methods"][k] for k in ("finetune", "affine")}
+    out = tmp_path / "out"
+    results = continual.continual(raw, out, seeds=[0])
+    assert [results[m]["diverged_seeds"] for m in ("finetune", "affine")] == [[], [0]]
+    error = json.loads((out / "affine" / "seed0" / continual.DIVERGED).read_text())
+    assert "steps in a row skipped for non-finite values" in json.dumps(error)
+    assert results["finetune"]["summary"]["point"]["final_accuracy"]["values"]
+
+
+# ------------------------------------------------------------- FROMP as its code runs
+FROMP_TRAIN = {"schedule": "constant", "clip_norm": 0.01, "restart_optimizer": True}
+
+
+def fromp_config() -> dict[str, Any]:
+    """Three tasks of the smoke stream, Adam with FROMP's memory (Σ from the summed GGN) at a
+    constant lr, clipped gradients and Adam restarted per task."""
+    raw = smoke(stream={"tasks": 3}, train=FROMP_TRAIN)
+    memory = {"memory": 6, "memory_use": "fromp", "memory_strength": 50.0}
+    raw["methods"] = {"adam_fromp_lambda": {"strategy": "finetune", **memory, **ADAM}}
+    return raw
+
+
+def test_fromp_s_memory_is_refreshed_at_every_boundary_from_the_summed_ggn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = continual.resolve(fromp_config(), "adam_fromp_lambda", 0)
+    tasks = continual.build(cfg).tasks
+    original, calls = lgb.MemorablePast.refresh, []
+
+    def spy(memory: lgb.MemorablePast, model: nn.Module, **kwargs: Any) -> None:
+        original(memory, model, **kwargs)
+        with torch.no_grad():
+            now = model(memory.inputs)
+        calls.append(
+            {
+                "tasks": memory.num_tasks,
+                "kernels": [k.clone() for k in memory.task_kernel_inverse],
+                "targets": memory.outputs_old.clone(),
+                "now": now,
+                "covariance": {n: v.clone() for n, v in kwargs["covariance"].items()},
+                "fisher": [
+                    diagonal_fisher(model, tasks[t].train_x, column_mask(tasks[t].classes, 10))
+                    for t in range(memory.num_tasks)
+                ],
+            }
+        )
+
+    monkeypatch.setattr(lgb.MemorablePast, "refresh", spy)
+    result = continual.run(cfg, tmp_path)
+    assert len(result["point"]["matrix"]) == 3  # it trained every task
+    assert [c["tasks"] for c in calls] == [1, 2]  # at both boundaries, every stored task
+    columns = [torch.tensor(task.classes) for task in tasks]
+    for call in calls:
+        assert len(call["kernels"]) == call["tasks"]
+        assert all(k.shape == (2, 6, 6) for k in call["kernels"])  # a kernel per class
+        for t in range(call["tasks"]):  # the targets: the current weights on the task's head
+            rows = slice(6 * t, 6 * (t + 1))
+            torch.testing.assert_close(call["targets"][rows], call["now"][rows][:, columns[t]])
+    # the second refresh recomputed task 1's targets and kernels from the weights of then
+    assert not torch.allclose(calls[1]["targets"][:6], calls[0]["targets"][:6])
+    assert not torch.allclose(calls[1]["kernels"][0], calls[0]["kernels"][0])
+    # Σ = 1/(GGN summed over the finished tasks' examples + 1e-5), each task's at its end
+    N = [len(task.train_y) for task in tasks]
+    first = {n: 1 / (N[0] * f + 1e-5) for n, f in calls[0]["fisher"][0].items()}
+    for n, v in first.items():
+        torch.testing.assert_close(calls[0]["covariance"][n], v, rtol=1e-4, atol=0)
+        summed = 1 / calls[1]["covariance"][n] - 1e-5
+        grew = summed - (1 / calls[0]["covariance"][n] - 1e-5)
+        torch.testing.assert_close(grew, N[1] * calls[1]["fisher"][1][n], rtol=1e-3, atol=1e-3)
+    state = torch.load(tmp_path / continual.CHECKPOINT, weights_only=True)
+    assert set(state["ggn"]["ggn"]) == set(first)  # the summed GGN is checkpointed
+
+
+def test_the_new_train_keys_keep_the_lr_clip_the_gradient_and_restart_adam() -> None:
+    assert [continual._task_lr(e, 4, 0, "constant") for e in range(8)] == [1.0] * 8
+    assert continual._task_lr(1, 4, 0) < 1.0  # the cosine default
+    assert [continual._task_lr(e, 4, 2, "constant") for e in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    learner = continual.build(continual.resolve(fromp_config(), "adam_fromp_lambda", 0))
+    task = learner.tasks[0]
+    x, y = task.train_x[:32], task.train_y[:32]
+    closure = continual._closure(learner, x, y, learner.masks[0].expand(32, -1), None, 100)
+    closure()
+    norm = torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() for p in learner.model.parameters()])
+    )
+    assert norm.item() == pytest.approx(0.01, rel=1e-5)  # clipped from above
+    learner.optimizer.step(closure)
+    assert learner.optimizer.state  # Adam's moments, until the boundary restarts them
+    continual._next_task(learner, 0)
+    assert not learner.optimizer.state and learner.memory is not None
+    assert len(learner.memory.task_kernel_inverse) == 1
+    unclipped = smoke(train={"clip_norm": 0.0})  # the default leaves the gradient as it is
+    learner = continual.build(continual.resolve(unclipped, "finetune", 0))
+    continual._closure(learner, x, y, learner.masks[0].expand(32, -1), None, 100)()
+    norm = torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() for p in learner.model.parameters()])
+    )
+    assert norm.item() > 0.1
+
+
+@pytest.mark.parametrize("head", [(0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (2, 3)])
+def test_the_fast_diagonal_ggn_is_diagonal_fisher(head: tuple) -> None:
+    torch.manual_seed(0)
+    model = continual.MLP((1, 28, 28), 10, [16, 8], "relu")
+    x = torch.randn(50, 1, 28, 28)
+    mask = column_mask(head, 10)
+    fast, slow = continual.diagonal_ggn(model, x, mask, chunk=20), diagonal_fisher(model, x, mask)
+    assert set(fast) == set(slow)
+    for n in slow:
+        torch.testing.assert_close(fast[n], slow[n], rtol=1e-4, atol=1e-9)

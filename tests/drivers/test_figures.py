@@ -217,9 +217,127 @@ def test_average_accuracy_axis_runs_from_zero(drawn: dict[str, Any]) -> None:
         "low": np.array([89.0, 79.0]),
         "high": np.array([91.0, 81.0]),
     }
-    figures.average_accuracy({"sgd": curve}, Path("c.png"), "permuted mnist5k")
+    figures.average_accuracy({"": {"sgd": curve}}, Path("c.png"), "permuted mnist5k")
     (ax,) = drawn["c.png"].axes
     assert ax.get_ylim() == (0.0, 100.0)
+
+
+@pytest.mark.parametrize(
+    ("label", "words"),
+    [
+        ("affine", "affine, posterior as prior"),
+        ("affine_no_prior", "affine, prior removed"),
+        ("affine_kprior_lambda", "affine, K-prior, λ points"),
+        ("additive_fromp_lambda", "additive, FROMP, λ points"),
+        ("multiplicative_replay_random", "multiplicative, replay, random points"),
+        ("affine_kprior_score", "affine, K-prior, memory-map score points"),
+        ("affine_kprior_delta_lambda", "affine, K-prior, δ-prior at the previous mean, λ points"),
+        ("affine_delta", "affine, δ-prior at the previous mean"),
+        ("affine_fromp_logits_lambda", "affine, FROMP on the logits, λ points"),
+        ("affine_fromp_probabilities", "affine, FROMP, on the probabilities"),
+        ("affine_posterior_kprior_random", "affine, posterior as prior, K-prior, random points"),
+        ("ewc_fromp_logits_lambda", "EWC + FROMP on the logits, λ points"),
+        ("finetune", "fine-tuning"),
+        ("ewc", "EWC"),
+        ("ewc_replay_random", "EWC + replay, random points"),
+        ("joint", "joint"),
+        ("fromp_adam", "FROMP, Adam"),
+        ("affine_mystery_part", "affine, mystery, part"),  # unknown parts read as themselves
+    ],
+)
+def test_a_methods_label_reads_as_words_from_its_parts(label: str, words: str) -> None:
+    assert continual_report.label_words(label) == words
+
+
+def test_a_rules_panel_leaves_the_rules_name_out() -> None:
+    assert continual_report.label_words("affine_kprior_lambda", rule=False) == "K-prior, λ points"
+    assert continual_report.label_words("affine", rule=False) == "posterior as prior"
+
+
+def _stream(values: dict[str, list[list[float]]], averaged: bool) -> dict[str, Any]:
+    """A continual summary: per method its average accuracy per task, one list of seeds'
+    values each; ``averaged``: the rules have a model average too."""
+    summary: dict[str, Any] = {}
+    for method, per_task in values.items():
+        leaves = [{"values": v} for v in per_task]
+        summary[method] = {"point": {"average_accuracy": leaves}}
+        if averaged and continual_report.rule_of(method):
+            summary[method]["average"] = {"average_accuracy": leaves}
+    return summary
+
+
+def _shared(ax: Any) -> list[str]:
+    return [line.get_gid() for line in ax.get_lines() if (line.get_gid() or "").startswith("s")]
+
+
+def test_the_average_accuracy_has_a_panel_per_rule_and_the_baselines_in_each(
+    drawn: dict[str, Any],
+) -> None:
+    """Two rules, two baselines: a column per rule with its own rows in colour (in words,
+    without the rule's name), the baselines in grey in both and named once in the figure's
+    legend; one y axis; the band is the mean ± sd over the seeds."""
+    task = [[0.8, 0.9, 1.0], [0.5, 0.6, 0.7]]  # mean 90 and 60, sd 10
+    summary = _stream(
+        {
+            "finetune": task,
+            "affine": task,
+            "ewc": task,
+            "affine_no_prior": task,
+            "additive": task,
+            "additive_kprior_lambda": task,
+        },
+        averaged=True,
+    )
+    continual_report.average_accuracy_figure(summary, 32, Path("a.png"), "permuted", [0, 1, 2])
+    fig = drawn["a.png"]
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == [
+        "affine rule (model average of 32)",
+        "additive rule (model average of 32)",
+    ]  # fewer than ZOOM_CLUSTER curves end near the top: no zoomed row
+    for ax in axes:
+        assert _shared(ax) == ["shared:fine-tuning", "shared:EWC"]
+        assert all(
+            matplotlib.colors.to_hex(line.get_color()) in {"#262626", "#737373"}
+            for line in ax.get_lines()
+            if line.get_gid()
+        )
+    assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])
+    assert axes[0].get_ylim() == axes[1].get_ylim() == (0.0, 100.0)
+    assert legend_labels(axes[0]) == ["posterior as prior", "prior removed"]
+    assert legend_labels(axes[1]) == ["posterior as prior", "K-prior, λ points"]
+    (legend,) = fig.legends
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts[:2] == ["fine-tuning", "EWC"] and "band: mean ± sd over seeds" in texts
+    (band, *_) = [c for c in axes[0].collections if isinstance(c, PolyCollection)]
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert min(ys) == pytest.approx(50.0) and max(ys) == pytest.approx(100.0)
+
+
+def test_a_stream_without_rules_is_one_panel_in_words(drawn: dict[str, Any]) -> None:
+    task = [[0.8, 0.9], [0.7, 0.8]]
+    summary = _stream({"finetune": task, "ewc_replay_random": task}, averaged=False)
+    continual_report.average_accuracy_figure(summary, 32, Path("a.png"))
+    (ax,) = drawn["a.png"].axes
+    assert legend_labels(ax) == ["fine-tuning", "EWC + replay, random points"]
+    assert _shared(ax) == []
+
+
+def test_the_average_accuracy_zooms_on_the_top_when_curves_crowd_there(
+    drawn: dict[str, Any],
+) -> None:
+    """Four curves end within the top 15 points below the highest (94 → 95): a second row
+    of the same panels spans 80 to 95; a diverged seed is named in its row."""
+    ends = {"affine": 0.94, "affine_kprior_lambda": 0.92, "ewc": 0.90, "joint": 0.93}
+    summary = _stream({m: [[0.9, 0.9], [e, e]] for m, e in ends.items()}, averaged=False)
+    summary["finetune"] = {"point": {"average_accuracy": [{"values": [0.5]}] * 2}}
+    continual_report.average_accuracy_figure(
+        summary, 32, Path("z.png"), seeds=[0, 1, 2], diverged={"affine_kprior_lambda": [2]}
+    )
+    top, zoom = drawn["z.png"].axes
+    assert top.get_ylim() == (0.0, 100.0) and zoom.get_ylim() == pytest.approx((80.0, 95.0))
+    assert _shared(zoom) == ["shared:EWC", "shared:joint", "shared:fine-tuning"]
+    assert "K-prior, λ points (seed 2 diverged)" in legend_labels(zoom)
 
 
 def test_reliability_diagram_writes_each_bins_count(drawn: dict[str, Any]) -> None:
@@ -304,3 +422,136 @@ def test_error_variance_map_labels_its_log_ticks_in_one_plain_format(
     assert shown(ticks, ax.get_ylim(), 1) == ["8", "9", "10"]
     ticks = ax.get_xticklabels() + ax.get_xticklabels(minor=True)
     assert shown(ticks, ax.get_xlim(), 0) == ["0.1", "1"]
+
+
+@pytest.fixture
+def saved(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """file name → the figure a driver saved there with ``Figure.savefig`` (not written)."""
+    out: dict[str, Any] = {}
+
+    def keep(fig: Any, path: Path, **_: Any) -> None:
+        out[Path(path).name] = fig
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    yield out
+    matplotlib.pyplot.close("all")
+
+
+def _retrain_rows() -> list[dict[str, Any]]:
+    """The retraining rows of three examples, two classes: a control, the same retraining
+    again and a removal of each."""
+    logits = [[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]]
+    moved = [[1.2, 0.0], [0.0, 1.3], [0.5, 0.9]]
+    run = {"objective": [1.0, 0.1, 0.01], "iterations": 20}
+    rows = [
+        {
+            "kind": "control",
+            "examples": [0, 1, 2],
+            "start": moved,
+            "logits": logits,
+            "previous": logits,
+            **run,
+        },
+        {"kind": "again", "logits": [[v + 1e-5 for v in r] for r in logits], **run},
+    ]
+    rows += [
+        {"kind": "removed", "index": i, "logits": m, "previous": m, **run}
+        for i, m in enumerate(moved)
+    ]
+    return rows
+
+
+def test_the_converged_figure_names_the_removals_and_the_floors_axis(
+    saved: dict[str, Any], tmp_path: Path
+) -> None:
+    """The removals' curves have a legend entry beside the control's, and the floor and the
+    drift points, whose x is not the truth, have an axis label of their own."""
+    from experiments import memory_converged
+
+    estimates = {"logits": torch.tensor([0.2, 0.3, 0.4]), "probabilities": torch.tensor([0.1] * 3)}
+    memory_converged.figure(estimates, _retrain_rows(), tmp_path / "c.png", "digits, seed 0")
+    settle, *scatters = saved["c.png"].axes[:3]
+    assert legend_labels(settle) == [
+        "control (nothing removed)",
+        memory_converged.REMOVALS_LABEL,
+    ]
+    for ax in scatters:
+        (top,) = ax.child_axes
+        assert top.get_xlabel().startswith("floor (red ×) and drift (grey +)")
+        assert "true change" in ax.get_xlabel()
+
+
+def _loo_results() -> dict[str, Any]:
+    """Two seeds, three δ, every criterion the same NLL at the largest δ (as on the digits
+    at δ = 256), the corrected estimate undefined at the smallest."""
+
+    def summary(delta: float, loo: float | None) -> dict[str, Any]:
+        v = 2.0 if delta == 256 else 1.0 / (1 + delta)
+        nll = {"nll": v}
+        return {
+            "loo": {"corrected": loo, "first_order": v},
+            "train": v,
+            "validation": {"point": nll, "average": nll},
+            "test": {"point": nll, "average": nll},
+        }
+
+    seed = {
+        "delta1": summary(1.0, None),
+        "delta16": summary(16.0, 0.2),
+        "delta256": summary(256.0, 2.0),
+    }
+    return {"affine": {"per_seed": {"seed0": seed, "seed1": copy.deepcopy(seed)}}}
+
+
+def test_no_line_of_the_loo_figure_hides_another(saved: dict[str, Any], tmp_path: Path) -> None:
+    """Every criterion has its own marker and its own (marker, line style), and at one δ
+    the criteria are drawn at distinct x: where their values coincide none covers another."""
+    from experiments import memory_loo
+
+    memory_loo.figure(_loo_results(), tmp_path / "m.png", "digits, mlp")
+    (ax,) = saved["m.png"].axes
+    lines = {c.get_label(): c.lines[0] for c in ax.containers}
+    assert list(lines) == list(memory_loo.STYLES)  # the criteria the summaries hold
+    markers = [line.get_marker() for line in lines.values()]
+    assert len(set(markers)) == len(markers)
+    styles = {(line.get_marker(), str(line.get_linestyle())) for line in lines.values()}
+    assert len(styles) == len(lines)
+    at_256 = [float(line.get_xdata()[-1]) for line in lines.values()]
+    assert len(set(at_256)) == len(at_256)
+    assert all(abs(np.log10(x / 256)) < 0.15 for x in at_256)  # still read as δ = 256
+    assert legend_labels(ax) == list(memory_loo.STYLES)
+
+
+def test_criteria_beyond_the_named_styles_still_get_a_marker_each() -> None:
+    from experiments import memory_loo
+
+    names = [*memory_loo.STYLES, *(f"loo source{k}" for k in range(10))]
+    chosen = memory_loo.styles(names)
+    markers = [marker for _, _, marker in chosen.values()]
+    assert len(set(markers)) == len(names) and "*" not in markers  # ★ marks the picks
+
+
+def test_the_loo_figure_comes_from_the_docs_summary(saved: dict[str, Any], tmp_path: Path) -> None:
+    """The committed summary's per-seed values give back the summaries the figure reads: the
+    corrected estimate undefined (None) at the small δ, the picks those of the summary."""
+    from experiments import memory_loo
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "results" / "memory_digits_loo.json"
+    summary = json.loads(docs.read_text())
+    results = memory_loo.results_from_docs(summary)
+    per_seed = results["affine"]["per_seed"]
+    assert list(per_seed) == ["seed0", "seed1", "seed2"]
+    metrics = summary["labels"]["affine"]["metrics"]
+    for i, seed in enumerate(per_seed.values()):
+        assert seed["delta0.01"]["loo"]["corrected"] is None
+        chosen = {c: memory_loo.value(seed["delta1"], c) for c in memory_loo.STYLES}
+        assert all(not np.isnan(v) for c, v in chosen.items() if c != "loo corrected")
+        for criterion in memory_loo.STYLES:
+            best = min(
+                (d for d in seed if not np.isnan(memory_loo.value(seed[d], criterion))),
+                key=lambda d, c=criterion: memory_loo.value(seed[d], c),
+            )
+            picked = metrics[f"picks.{criterion}"]["values"][i]
+            assert float(best.removeprefix("delta")) == picked
+    memory_loo.docs_figure(summary, tmp_path / "m.png")
+    assert saved["m.png"].axes[0].get_title().startswith("digits, mlp, affine rule")
