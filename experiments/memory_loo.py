@@ -192,16 +192,8 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
 
     def sources() -> tuple[dict[str, Any], dict[str, float]]:
         """Every source's estimate in both forms (None where undefined), with cross-class
-        terms, V computed once per source (as :func:`liegroup_blr.loo_nll` computes it);
-        and the seconds each source took."""
-        from liegroup_blr import memory
-
-        post_ = lgb.Posterior.from_optimizer(run.optimizer, run.model)
-        if post_.temperature is None:
-            raise ValueError("the run's param groups differ in temperature")
-        tau = float(post_.temperature)
-        size = sum(e.shape.numel() for e in post_.values())
-        method = memory._method(post_, "auto")
+        terms (:func:`liegroup_blr.loo_nll`); and the seconds each source took, both forms."""
+        size = sum(p.numel() for p in run.model.parameters())
         out_: dict[str, Any] = {}
         seconds: dict[str, float] = {}
         for source in SOURCES:
@@ -209,45 +201,25 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
             out_[source] = {"corrected": None, "first_order": None}
             if source in ("ggn", "hessian") and size > EXACT_LIMIT:
                 continue
-            try:
-                with memory._evaluating(run.model):
-                    moments = list(
-                        memory._untempered(
-                            run.model,
-                            run.optimizer,
-                            post_,
-                            tau,
-                            x,
-                            y,
-                            source,
-                            method,
-                            table["samples"],
-                            table["batch_size"],
-                            torch.Generator(run.device).manual_seed(seed),
-                            True,
-                            "categorical",
-                            1.0,
-                            None,
-                        )
-                    )
-            except ValueError as err:
-                if not str(err).startswith("variance: the 'hessian' precision"):
-                    raise
-                seconds[source] = time.perf_counter() - start
-                continue
             for form in lgb.memory.LOO_FORMS:
                 try:
-                    nll = torch.cat(
-                        [
-                            memory._loo_nll(f, V, y[rows], "categorical", 1.0, form)
-                            for rows, f, V in moments
-                        ]
+                    value = lgb.loo_nll(
+                        run.model,
+                        run.optimizer,
+                        x,
+                        y,
+                        form=form,
+                        variance=source,
+                        cross_class=True,
+                        samples=table["samples"],
+                        batch_size=table["batch_size"],
+                        generator=torch.Generator(run.device).manual_seed(seed),
                     )
-                except ValueError as err:
-                    if not str(err).startswith("form: the corrected"):
+                except ValueError as err:  # undefined: the corrected form, a Hessian not PD
+                    if not str(err).startswith(("form: the corrected", "variance: the 'hessian'")):
                         raise
                     continue
-                out_[source][form] = float(nll.mean())
+                out_[source][form] = float(value)
             seconds[source] = time.perf_counter() - start
         return out_, seconds
 
