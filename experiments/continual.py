@@ -93,7 +93,7 @@ from experiments import continual_report, loop, runfiles, skeleton
 from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
 from experiments.data import DATASETS, Dataset, check_finite, load_dataset, validation_split
 from experiments.evaluate import posterior_mean
-from experiments.ewc import OnlineEWC, diagonal_fisher
+from experiments.ewc import OnlineEWC, diagonal_ggn
 from experiments.loop import DivergedError, Divergence
 from experiments.models import ACTIVATIONS, MLP
 from experiments.optimizers import build_optimizer, lr_factor
@@ -345,55 +345,6 @@ class SummedGGN:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ggn = dict(state["ggn"])
-
-
-def diagonal_ggn(
-    model: nn.Module, inputs: Tensor, mask: Tensor, chunk: int = 1000
-) -> dict[str, Tensor]:
-    r""":func:`~experiments.ewc.diagonal_fisher` (the mean diagonal GGN of the softmax over
-    the head's columns, ``mask``), fast where every trained parameter is an ``nn.Linear``'s
-    on 2-d inputs: per class k one batched backward of :math:`\sqrt{p_k}(e_k - p)` from the
-    logits, and per layer :math:`\sum_i g_{ik}^2 a_i^{2\top}` (its per-example gradients
-    :math:`g_{ik}a_i^\top` are outer products). Otherwise ``diagonal_fisher`` itself."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    trained = {n: q for n, q in model.named_parameters() if q.requires_grad}
-    owned = {id(q) for m in linears for q in m.parameters()}
-    if any(id(q) not in owned for q in trained.values()):
-        return diagonal_fisher(model, inputs, mask)
-    names = {id(q): n for n, q in trained.items()}
-    total = {n: torch.zeros_like(q) for n, q in trained.items()}
-    seen: dict[nn.Module, tuple[Tensor, Tensor]] = {}
-
-    def keep(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
-        seen[module] = (args[0].detach(), output)
-
-    hooks = [m.register_forward_hook(keep) for m in linears]
-    was_training = model.training
-    model.eval()
-    try:
-        for x in inputs.split(chunk):
-            seen.clear()
-            logits = model(x) + mask
-            if any(a.ndim != 2 for a, _ in seen.values()):
-                return diagonal_fisher(model, inputs, mask)
-            p = torch.softmax(logits, dim=-1).detach()
-            outputs = [seen[m][1] for m in linears]
-            for k in torch.isfinite(mask).nonzero().flatten().tolist():
-                direction = -p
-                direction[:, k] += 1
-                direction = direction * p[:, k : k + 1].sqrt()
-                grads = torch.autograd.grad(logits, outputs, direction, retain_graph=True)
-                for m, g in zip(linears, grads, strict=True):
-                    a, g2 = seen[m][0], g.detach().square()
-                    if id(m.weight) in names:
-                        total[names[id(m.weight)]] += g2.T @ a.square()
-                    if m.bias is not None and id(m.bias) in names:
-                        total[names[id(m.bias)]] += g2.sum(0)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
-    return {n: v / len(inputs) for n, v in total.items()}
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,7 +20,7 @@ import liegroup_blr as lgb
 from experiments import continual, continual_report, continual_tune, figures, tune
 from experiments.config import ConfigError, load
 from experiments.data import Dataset, NonFiniteInputError, load_dataset
-from experiments.ewc import OnlineEWC, diagonal_fisher
+from experiments.ewc import OnlineEWC, diagonal_fisher, diagonal_ggn
 from experiments.streams import build_stream, column_mask, permutations, permuted, split
 from experiments.train import DivergedError
 
@@ -949,7 +949,7 @@ def test_the_fast_diagonal_ggn_is_diagonal_fisher(head: tuple) -> None:
     model = continual.MLP((1, 28, 28), 10, [16, 8], "relu")
     x = torch.randn(50, 1, 28, 28)
     mask = column_mask(head, 10)
-    fast, slow = continual.diagonal_ggn(model, x, mask, chunk=20), diagonal_fisher(model, x, mask)
+    fast, slow = diagonal_ggn(model, x, mask, chunk=20), diagonal_fisher(model, x, mask)
     assert set(fast) == set(slow)
     for n in slow:
         torch.testing.assert_close(fast[n], slow[n], rtol=1e-4, atol=1e-9)
