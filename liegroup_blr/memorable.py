@@ -479,7 +479,7 @@ class MemorablePast:
                 from ``model``'s outputs on its inputs (a multi-head network; default: the
                 outputs as they are).
             temperature: τ of ``posterior`` (default: the one it records).
-            jitter: ε > 0 (FROMP's code: :data:`FROMP_JITTER`).
+            jitter: ε > 0 (FROMP's code: ``FROMP_JITTER``, 1e-5).
             batch_size: examples per vectorised Jacobian.
 
         Raises:

@@ -404,7 +404,7 @@ def loo_nll(
     Args:
         form: ``"corrected"`` or ``"first_order"``.
         variance: the source of :math:`V_i`, one of :data:`VARIANCES` (default
-            :data:`DEFAULT_VARIANCE`).
+            ``DEFAULT_VARIANCE``).
         prior_precision: δ of a Laplace source (default: the optimizer's; required with a
             :class:`~liegroup_blr.Posterior`, which does not record it).
         reduction: ``"mean"`` (a scalar, the leave-one-out NLL of the data set), ``"sum"``

@@ -615,7 +615,7 @@ class BLROptimizer(Optimizer):
     ) -> Posterior:
         r"""Start the next task of a sequence: every param group's ``data_size`` becomes
         N_t = ``data_size``, the momenta are reset to 0, and the finished task enters the
-        objective as ``prior`` (:data:`~liegroup_blr.optim.prior.NEXT_PRIORS`) says:
+        objective as ``prior`` (``optim.prior.NEXT_PRIORS``) says:
         ``"posterior"`` (the default) makes the current posterior the prior (:meth:`set_prior`,
         at ``strength`` w: the tempered :math:`q_\text{prev}^w/Z`; w = 1 is exact sequential
         Bayes) and ``prior_precision`` (and ``weight_decay``) 0; ``"delta"`` centres each
@@ -627,9 +627,10 @@ class BLROptimizer(Optimizer):
         parameter names when given (``prior["0.weight"]``), else by position.
 
         Raises:
-            ValueError: in one line, before anything changes: :func:`~.prior.check_next_prior`,
-                :func:`~.prior.task_reset`, a ``data_size`` ≤ 0, a ``model`` without one of
-                the parameters, or a pull a step cannot take stably (``Rule.check_prior``).
+            ValueError: in one line, before anything changes: an unknown ``prior``, a
+                ``strength`` that is not a finite float > 0 or given with another prior, a
+                ``weight_decay`` > 0 with ``"delta"``, a ``data_size`` ≤ 0, a ``model`` without
+                a parameter, or a pull a step cannot take stably (``Rule.check_prior``).
             NotImplementedError: ``"delta"`` with sharded (DTensor, FSDP2) parameters.
             RuntimeError: between ``sampled_params(train=True)`` blocks and ``step()``.
         """
