@@ -257,31 +257,14 @@ def memory_map(
             hold the posterior's parameters, an unknown method or likelihood, a group or base
             the Jacobian form cannot take, τ ≤ 0, too few samples, or targets that do not fit.
     """
-    post, tau = _posterior(posterior, model, temperature)
-    method = _method(post, method)
+    batches, method, source = _batches(
+        model, posterior, inputs, targets, temperature, method, variance
+    )
     _check_options(inputs, targets, samples, batch_size, likelihood, noise_variance, change)
-    source = _source(variance)
+    options = (samples, batch_size, generator, cross_class, likelihood, noise_variance)
     parts: list[tuple[Tensor, ...]] = []
-    with _evaluating(model):
-        for rows, f, V in _untempered(
-            model,
-            posterior,
-            post,
-            tau,
-            inputs,
-            targets,
-            source,
-            method,
-            samples,
-            batch_size,
-            generator,
-            cross_class,
-            likelihood,
-            noise_variance,
-            prior_precision,
-        ):
-            y = targets[rows].to(f.device)
-            parts.append((*_score(f, V, y, likelihood, noise_variance, change), V))
+    for y, f, V in batches(*options, prior_precision):
+        parts.append((*_score(f, V, y, likelihood, noise_variance, change), V))
     scores, residuals, predictions, variances = (torch.cat(t) for t in zip(*parts, strict=True))
     return MemoryMap(
         scores, variances, residuals, predictions, method if source == "posterior" else "jacobian"
@@ -428,31 +411,13 @@ def loo_nll(
         raise ValueError(f"form: must be one of {LOO_FORMS}, got {form!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: must be one of {REDUCTIONS}, got {reduction!r}")
-    post, tau = _posterior(posterior, model, temperature)
-    method = _method(post, method)
+    batches, _, _ = _batches(model, posterior, inputs, targets, temperature, method, variance)
     _check_options(inputs, targets, samples, batch_size, likelihood, noise_variance, "logits")
-    source = _source(variance)
-    parts = []
-    with _evaluating(model):
-        for rows, f, V in _untempered(
-            model,
-            posterior,
-            post,
-            tau,
-            inputs,
-            targets,
-            source,
-            method,
-            samples,
-            batch_size,
-            generator,
-            cross_class,
-            likelihood,
-            noise_variance,
-            prior_precision,
-        ):
-            y = targets[rows].to(f.device)
-            parts.append(_loo_nll(f, V, y, likelihood, noise_variance, form))
+    options = (samples, batch_size, generator, cross_class, likelihood, noise_variance)
+    parts = [
+        _loo_nll(f, V, y, likelihood, noise_variance, form)
+        for y, f, V in batches(*options, prior_precision)
+    ]
     nll = torch.cat(parts)
     if reduction == "none":
         return nll
@@ -672,6 +637,33 @@ def _untempered(
         delta,
         data_size,
     )
+
+
+def _batches(
+    model: nn.Module,
+    posterior: Any,
+    inputs: Tensor,
+    targets: Tensor,
+    temperature: float | None,
+    method: str,
+    variance: str,
+) -> tuple[Callable[..., Iterator[tuple[Tensor, Tensor, Tensor]]], str, str]:
+    """The posterior, its τ, the method and the variance source resolved (errors naming the
+    argument, now); returns the function that then yields, per batch, its targets, the logits
+    at the mean and their untempered (co)variance (:func:`_untempered`, the model in eval
+    mode), with the method and the source."""
+    post, tau = _posterior(posterior, model, temperature)
+    method = _method(post, method)
+    source = _source(variance)
+
+    def batches(*options: Any) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        with _evaluating(model):
+            for rows, f, V in _untempered(
+                model, posterior, post, tau, inputs, targets, source, method, *options
+            ):
+                yield targets[rows].to(f.device), f, V
+
+    return batches, method, source
 
 
 def _source(variance: str) -> str:
