@@ -43,7 +43,8 @@ clipped at τ times FROMP's clip.
 ``[train]`` ``schedule``: ``"cosine"`` (restarted every task, after ``warmup`` epochs) or
 ``"constant"``; ``clip_norm`` > 0 clips the norm of every gradient a closure computes (0:
 none); ``restart_optimizer = true`` restarts a baseline optimizer's state (Adam's moments and
-step count) at every task boundary, as FROMP's code does.
+step count) at every task boundary, as FROMP's code does; ``drop_last = false`` trains on the
+last partial minibatch of every pass too (as a torch ``DataLoader`` does by default).
 
 ``[stream] validation = V`` > 0 holds out V examples of the dataset's training set (drawn
 with ``validation_seed``, :func:`experiments.data.validation_split`): the tasks are built from
@@ -129,6 +130,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "schedule": "cosine",
         "clip_norm": 0.0,  # > 0: clip every gradient's norm to it
         "restart_optimizer": False,  # a baseline's state restarts at every task boundary
+        "drop_last": True,  # false: the last partial minibatch of a pass is a step too
     },
     "eval": {"samples": 32, "bins": 20},
 }
@@ -487,7 +489,7 @@ def train_epoch(learner: Learner, data: tuple[Tensor, Tensor, Tensor], t: int, e
     cfg = learner.cfg
     desc = f"task {t + 1}/{len(learner.tasks)} epoch {epoch + 1}/{cfg['train']['epochs']}"
     steps = _steps(learner, data)
-    total = len(data[1]) // cfg["train"]["batch_size"]
+    total = _step_count(len(data[1]), cfg["train"])
     return learner.steps(epoch, steps, desc, total=total, diverged=partial(_diverged, t))
 
 
@@ -498,7 +500,7 @@ def _steps(learner: Learner, data: tuple[Tensor, Tensor, Tensor]) -> Iterator[pa
     batch = learner.cfg["train"]["batch_size"]
     order = torch.randperm(len(y), generator=learner.data_rng).to(y.device)
     memory = learner.memory
-    for step in range(len(y) // batch):
+    for step in range(_step_count(len(y), learner.cfg["train"])):
         idx = order[step * batch : (step + 1) * batch]
         rows = None
         if memory is not None and len(memory) and memory.use == "fromp":
@@ -508,6 +510,13 @@ def _steps(learner: Learner, data: tuple[Tensor, Tensor, Tensor]) -> Iterator[pa
             rows = rows.to(y.device)
         closure = _closure(learner, x[idx], y[idx], learner.masks[ids[idx]], rows, len(y))
         yield partial(learner.optimizer.step, closure)
+
+
+def _step_count(n: int, train: dict[str, Any]) -> int:
+    """Minibatches in a pass over ``n`` examples: the full ones, and the partial last one
+    unless ``drop_last``."""
+    full, rest = divmod(n, train["batch_size"])
+    return full + (rest > 0 and not train["drop_last"])
 
 
 def _diverged(t: int, divergence: Divergence) -> DivergedError:

@@ -197,10 +197,12 @@ def _notes(seeds: Sequence[int], diverged: Mapping[str, Sequence[int]]) -> dict[
 
 
 def _label(method: str, by_estimate: Mapping[str, Any], samples: int, note: str) -> str:
-    """A method's label in the figures: its estimate shown and its diverged seeds."""
+    """A method's label in the figures, in words (:func:`label_words`): its estimate shown
+    and its diverged seeds."""
     parts = [f"average of {samples}"] if "average" in by_estimate else []
     parts += [note] if note else []
-    return f"{method} ({'; '.join(parts)})" if parts else method
+    words = label_words(method)
+    return f"{words} ({'; '.join(parts)})" if parts else words
 
 
 RULES = ("affine", "additive", "multiplicative")

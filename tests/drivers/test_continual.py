@@ -774,9 +774,10 @@ def test_final_bars_take_each_methods_estimate_per_seed() -> None:
         "affine": {"point": leaf(0.5, 0.5), "average": leaf(0.7, 0.6)},
     }
     bars = continual_report.final_bars(summary, 32)
-    assert list(bars) == ["ewc", "affine (average of 32)"]
-    assert bars["ewc"] == pytest.approx([90.0, 80.0])
-    assert bars["affine (average of 32)"] == pytest.approx([70.0, 60.0])
+    affine = "affine, posterior as prior (average of 32)"  # labelled in words
+    assert list(bars) == ["EWC", affine]
+    assert bars["EWC"] == pytest.approx([90.0, 80.0])
+    assert bars[affine] == pytest.approx([70.0, 60.0])
 
 
 def test_a_diverged_run_is_reported_and_the_others_finish(
@@ -941,6 +942,28 @@ def test_the_new_train_keys_keep_the_lr_clip_the_gradient_and_restart_adam() -> 
         torch.cat([p.grad.flatten() for p in learner.model.parameters()])
     )
     assert norm.item() > 0.1
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_pass_sees_every_example_once_and_the_partial_batch_unless_dropped(
+    drop_last: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The minibatches of a pass are disjoint; with ``drop_last = false`` they cover the task
+    (the last one partial, as a torch DataLoader's), else the remainder is left out."""
+    raw = smoke(train={"batch_size": 48, "drop_last": drop_last})
+    learner = continual.build(continual.resolve(raw, "finetune", 0))
+    task = learner.tasks[0]
+    seen: list[torch.Tensor] = []
+    monkeypatch.setattr(
+        continual, "_closure", lambda _l, x, y, *rest: seen.append(y.clone()) or (lambda: None)
+    )
+    ids = torch.arange(len(task.train_y))
+    steps = list(continual._steps(learner, (task.train_x, ids, torch.zeros_like(ids))))
+    full, rest = divmod(len(ids), 48)
+    assert rest > 0  # the smoke task leaves a partial batch
+    assert len(steps) == full + (not drop_last)
+    got = torch.cat(seen)
+    assert len(got) == len(set(got.tolist())) == (full * 48 if drop_last else len(ids))
 
 
 @pytest.mark.parametrize("head", [(0, 1, 2, 3, 4, 5, 6, 7, 8, 9), (2, 3)])
