@@ -360,30 +360,65 @@ def continual_rows(memories: dict[str, tuple[str, ...]], budget: bool = True) ->
 
 
 PERMUTED_TUNING = {
-    "finetune": "9: step × δ; interior (δ = 0: no prior)",
-    "ewc": "12 in two rounds: step × λ; interior",
-    "ewc_replay_random": "34 in three rounds: step × weight × λ; interior",
+    "finetune": "17: step × δ 9, step 8 before; interior (δ = 0: no prior)",
+    "ewc": "21: step × λ 12 in two rounds, λ 9 before; interior",
+    "ewc_replay_random": "34: step × weight × λ in three rounds; interior",
     "joint": "not tuned",
-    "affine": "10: step × w, τ 20 before; interior (w 0.3 lower)",
-    "affine_no_prior": "9: step × δ, τ 20 before; a corner",
-    "affine_delta": "9: step × δ, τ 20 before; interior",
-    "affine_kprior_lambda": "12: step × weight, τ 20 before; the next step diverged",
-    "affine_kprior_random": "9: step × weight, τ 20 before; interior",
-    "affine_posterior_kprior_lambda": "9: step × weight, τ 20 before; step at its edge",
-    "affine_posterior_kprior_random": "9: step × weight, τ 20 before; interior",
-    "affine_posterior_fromp_logits_lambda": "9: step × weight, τ 20 before; a corner",
-    "affine_replay_random": "9: step × weight, τ 20 before; a corner",
-    "additive": "10: step × w; w 0.3 level on validation, not rerun",
-    "additive_no_prior": "9 (3 distinct): step × τ; step at its edge",
-    "additive_posterior_kprior_lambda": "9: step × weight; weight at its edge",
-    "additive_replay_random": "9: step × weight; weight at its edge",
-    "multiplicative": "10: step × w, τ 15 before; interior (w 0.3 lower)",
-    "multiplicative_no_prior": "9: step × τ, τ 15 before; τ at its edge",
-    "multiplicative_posterior_kprior_lambda": "9: step × weight, τ 15 before; a corner",
-    "multiplicative_replay_random": "9: step × weight, τ 15 before; step at its edge",
+    "affine": "36: step × w 10 in two rounds, τ 26 before; interior",
+    "affine_no_prior": "46: step × δ 20 in four rounds, τ 26 before; interior",
+    "affine_delta": "35: step × δ 9, τ 26 before; interior",
+    "affine_kprior_lambda": "38: step × weight 12, τ 26 before; the next step diverged",
+    "affine_kprior_random": "35: step × weight 9, τ 26 before; interior",
+    "affine_posterior_kprior_lambda": "36: step × weight 10 in two rounds, τ 26 before; the "
+    "next step diverged",
+    "affine_posterior_kprior_random": "35: step × weight 9, τ 26 before; interior",
+    "affine_posterior_fromp_logits_lambda": "38: step × weight 12 in two rounds, τ 26 before; "
+    "the next step diverged",
+    "affine_replay_random": "39: step × weight 13 in two rounds, τ 26 before; the next step "
+    "diverged",
+    "additive": "40: step × w 11 in three rounds, τ 29 before; interior",
+    "additive_no_prior": "43: step × τ 14 (8 distinct: τ has no effect) in five rounds, τ 29 "
+    "before; interior",
+    "additive_posterior_kprior_lambda": "39: step × weight 10 in two rounds, τ 29 before; interior",
+    "additive_replay_random": "40: step × weight 11 in three rounds, τ 29 before; interior",
+    "multiplicative": "33: step × w 10 in two rounds, τ 23 before; interior",
+    "multiplicative_no_prior": "33: step × τ 10 in two rounds, τ 23 before; interior",
+    "multiplicative_posterior_kprior_lambda": "35: step × weight 12 in two rounds, τ 23 before; "
+    "the next step diverged",
+    "multiplicative_replay_random": "33: step × weight 10 in two rounds, τ 23 before; the next "
+    "step diverged",
 }
-"""Each permuted row's whole tuning budget (the points of every grid it had, the rules'
-temperatures chosen in earlier grids) and where its choice sits in its last grid."""
+"""Each permuted row's whole tuning budget (the distinct points of every grid it had, and the
+temperature × step grids before them whose temperature a rule keeps), the grids' knobs, and
+where its choice sits in its last grid."""
+SINGLE_TUNING = {
+    "finetune": "17: step × δ 9, step 8 before; interior (δ = 0: no prior)",
+    "ewc": "23: step × λ 14 in three rounds, λ 9 before; interior",
+    "ewc_replay_random": "11: step × weight 9, then λ; interior",
+    "joint": "not tuned",
+    "affine": "65: step × w 14 in three rounds, τ 51 before; interior",
+    "affine_no_prior": "61: step × δ 10 in two rounds, τ 51 before; the next step diverged",
+    "affine_delta": "60: step × δ 9, τ 51 before; interior (all ≈ 19 %)",
+    "affine_kprior_lambda": "63: step × weight 12, τ 51 before; the next step diverged",
+    "affine_kprior_random": "67: step × weight 16, τ 51 before; interior",
+    "affine_posterior_kprior_lambda": "60: step × weight 9, τ 51 before; interior",
+    "affine_posterior_kprior_random": "63: step × weight 12 in two rounds, τ 51 before; interior",
+    "affine_posterior_kprior_score": "60: step × weight 9, τ 51 before; interior",
+    "affine_posterior_fromp_logits_lambda": "60: step × weight 9, τ 51 before; interior",
+    "affine_replay_random": "62: step × weight 11 in three rounds, τ 51 before; interior",
+    "additive": "69: step × w 10 in two rounds, τ 59 before; the next w diverged",
+    "additive_no_prior": "69: step × τ 10 in two rounds, τ 59 before; τ has no effect",
+    "additive_posterior_kprior_lambda": "69: step × weight 10 in two rounds, τ 59 before; interior",
+    "additive_replay_random": "68: step × weight 9, τ 59 before; interior",
+    "multiplicative": "55: step × w 12 in two rounds, τ 43 before; the next step diverged, "
+    "w 1000 level",
+    "multiplicative_no_prior": "53: step × τ 10 in two rounds, τ 43 before; the next τ diverged",
+    "multiplicative_posterior_kprior_lambda": "53: step × weight 10 in two rounds, τ 43 before; "
+    "the next step diverged",
+    "multiplicative_replay_random": "53: step × weight 10 in two rounds, τ 43 before; the next "
+    "step diverged",
+}
+"""The same for each single-head Split row."""
 
 
 def with_tuning(rows: tuple[Any, ...], tuning: dict[str, str]) -> tuple[Any, ...]:
@@ -408,8 +443,15 @@ CONTINUAL_ROWS = {
         PERMUTED_TUNING,
     ),
     "continual_split": continual_rows(dict.fromkeys(RULES, ()), budget=False),
-    "continual_split_single": continual_rows(
-        {"affine": COMPOSED, "additive": OTHER_COMPOSED, "multiplicative": OTHER_COMPOSED}
+    "continual_split_single": with_tuning(
+        continual_rows(
+            {
+                "affine": ("_delta", "_kprior_lambda", "_kprior_random", *COMPOSED),
+                "additive": OTHER_COMPOSED,
+                "multiplicative": OTHER_COMPOSED,
+            }
+        ),
+        SINGLE_TUNING,
     ),
 }
 """Rows of each stream's table (the multi-head Split stream: no memory rows; the permuted
