@@ -2,7 +2,9 @@
 
 A base distribution is any scalar :class:`torch.distributions.Distribution`; its draws are
 used elementwise (i.i.d. per coordinate). This module adds the two the method needs beyond
-``torch.distributions`` (:class:`Rayleigh`, :class:`Dirac`), a registry of names, and
+``torch.distributions`` (:class:`Rayleigh`, :class:`Dirac`), the one registry of what the
+library knows of a family (:class:`BaseFamily`, :func:`register_base`: its in-place sampler,
+Fisher informations, centre, KL and the parameters a file stores), a registry of names, and
 :func:`sample_into`, which fills a tensor in place from an explicit generator.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,11 +32,18 @@ from torch.distributions.utils import broadcast_all
 
 __all__ = [
     "NAMES",
+    "BaseFamily",
     "Dirac",
     "Rayleigh",
+    "base_family",
     "check_base",
     "describe",
+    "fisher_information",
     "from_name",
+    "has_density",
+    "positive_support",
+    "register_base",
+    "registered",
     "sample_each",
     "sample_into",
     "shortest",
@@ -134,21 +145,6 @@ class Dirac(Distribution):
         return torch.where(value == self.value, 0.0, -math.inf).to(value.dtype)
 
 
-def _student_t(scale: float, df: float = 3.0) -> StudentT:
-    return StudentT(df, 0.0, scale)
-
-
-_REGISTRY: dict[str, Callable[..., Distribution]] = {
-    "gaussian": lambda scale: Normal(0.0, scale),
-    "laplace": lambda scale: Laplace(0.0, scale),
-    "uniform": lambda scale: Uniform(-scale, scale),
-    "student-t": _student_t,
-    "rayleigh": Rayleigh,
-}
-NAMES: tuple[str, ...] = (*_REGISTRY, "dirac")
-"""Names accepted by :func:`from_name`."""
-
-
 def from_name(name: str, scale: float | None = None, **options: float) -> Distribution:
     """Build a base distribution by name.
 
@@ -164,18 +160,26 @@ def from_name(name: str, scale: float | None = None, **options: float) -> Distri
         if scale is not None:
             raise ValueError("scale: 'dirac' has no scale; pass value=... for its location")
         return Dirac(options.pop("value", 0.0), **options)  # type: ignore[arg-type]
-    if key not in _REGISTRY:
+    family = next((f for f in _FAMILIES.values() if f.name == key and f.build), None)
+    if family is None or family.build is None:
         raise ValueError(f"name: unknown base distribution {name!r}; valid names: {NAMES}")
     scale = 1.0 if scale is None else float(scale)
     if not scale > 0:
         raise ValueError(f"scale: must be > 0, got {scale}")
-    return _REGISTRY[key](scale, **options)
+    return family.build(scale, **options)
 
 
 def _lower_bound(support: constraints.Constraint | None) -> float | None:
     """Lower end of a support constraint (``greater_than``, ``interval``, ...), if any."""
     low = getattr(support, "lower_bound", None)
     return None if low is None else float(torch.as_tensor(low).min())
+
+
+def positive_support(base: Distribution) -> bool:
+    """Whether ``base`` draws only from (0, ∞) (what a group acting by scaling needs)."""
+    low = _lower_bound(base.support)
+    atom_at_zero = not has_density(base) or bool(getattr(base.support, "is_discrete", 0))
+    return low is not None and low >= 0 and not (low == 0 and atom_at_zero)
 
 
 def check_base(base: Distribution, positive: bool, name: str = "base") -> Distribution:
@@ -196,14 +200,11 @@ def check_base(base: Distribution, positive: bool, name: str = "base") -> Distri
             f"{name}: must be a scalar distribution (drawn i.i.d. per coordinate), got "
             f"batch_shape={tuple(base.batch_shape)}, event_shape={tuple(base.event_shape)}"
         )
-    if positive:
-        low = _lower_bound(base.support)
-        atom_at_zero = isinstance(base, Dirac) or bool(getattr(base.support, "is_discrete", 0))
-        if low is None or low < 0 or (low == 0 and atom_at_zero):
-            raise ValueError(
-                f"{name}: the group acts by scaling and needs a base supported on (0, inf); "
-                f"{type(base).__name__} has support {base.support}"
-            )
+    if positive and not positive_support(base):
+        raise ValueError(
+            f"{name}: the group acts by scaling and needs a base supported on (0, inf); "
+            f"{type(base).__name__} has support {base.support}"
+        )
     return base
 
 
@@ -249,9 +250,10 @@ def sample_each(
     base: Distribution, outs: list[Tensor], generator: torch.Generator | None = None
 ) -> list[Tensor]:
     """Fill each tensor of ``outs`` in place with i.i.d. draws of the scalar distribution
-    ``base``, one tensor after another from ``generator``.
+    ``base``, one tensor after another from ``generator``, by its family's ``fill``
+    (:func:`base_family`).
 
-    Common families use torch's in-place samplers with ``generator``, one kernel and no
+    The built-in families use torch's in-place samplers with ``generator``, one kernel and no
     allocation (Rayleigh by its inverse CDF σ√(−2 log(1 − U)), far cheaper than
     ``exponential_``); Student-t with an integer ν ≤ 32 as a normal over the root of a χ²
     built from normals and uniforms (``_student_t_into``); other families with an
@@ -259,48 +261,78 @@ def sample_each(
     ``sample`` under a global RNG seeded from ``generator`` and then restored, so every draw
     is reproducible from ``generator``'s state.
     """
-    if isinstance(base, Normal):
-        loc, scale = float(base.loc), float(base.scale)
-        for out in outs:
-            out.normal_(loc, scale, generator=generator)
-    elif isinstance(base, Rayleigh):  # σ√(−2 log(1 − U)), −U ~ U(eps − 1, −tiny): never 0, inf
-        factor = -2 * float(base.scale) ** 2
-        for out in outs:
-            info = torch.finfo(out.dtype)
-            out.uniform_(info.eps - 1, -info.tiny, generator=generator).log1p_()
-            out.mul_(factor).sqrt_()
-    elif isinstance(base, Dirac):
-        for out in outs:
-            out.fill_(float(base.value))
-    elif isinstance(base, Uniform):
-        low, high = float(base.low), float(base.high)
-        for out in outs:
-            out.uniform_(low, high, generator=generator)
-    elif isinstance(base, Exponential):
-        for out in outs:
-            out.exponential_(float(base.rate), generator=generator)
-    elif isinstance(base, Cauchy):
-        loc, scale = float(base.loc), float(base.scale)
-        for out in outs:
-            out.cauchy_(loc, scale, generator=generator)
-    elif isinstance(base, LogNormal):
-        loc, scale = float(base.loc), float(base.scale)
-        for out in outs:
-            out.log_normal_(loc, scale, generator=generator)
-    elif isinstance(base, StudentT) and _small_integer(base.df):
-        for out in outs:
-            _student_t_into(out, base, generator)
-    elif isinstance(base, Laplace):  # loc − scale·sign(u)·log(1 − |u|), u ~ U(eps − 1, 1)
-        loc, scale = float(base.loc), float(base.scale)
-        for out in outs:
-            u = out.uniform_(torch.finfo(out.dtype).eps - 1, 1, generator=generator)
-            sign = u.sign()
-            u.abs_().neg_().log1p_().mul_(sign)
-            u.mul_(-scale).add_(loc)
-    else:
-        for out in outs:
-            _sample_other(base, out, generator)
+    family = base_family(base)
+    fill = _fill_other if family is None or family.fill is None else family.fill
+    fill(base, outs, generator)
     return outs
+
+
+def _fill_normal(base: Normal, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    loc, scale = float(base.loc), float(base.scale)
+    for out in outs:
+        out.normal_(loc, scale, generator=generator)
+
+
+def _fill_rayleigh(base: Rayleigh, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    """σ√(−2 log(1 − U)), −U ~ U(eps − 1, −tiny): never 0, never inf."""
+    factor = -2 * float(base.scale) ** 2
+    for out in outs:
+        info = torch.finfo(out.dtype)
+        out.uniform_(info.eps - 1, -info.tiny, generator=generator).log1p_()
+        out.mul_(factor).sqrt_()
+
+
+def _fill_dirac(base: Dirac, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    for out in outs:
+        out.fill_(float(base.value))
+
+
+def _fill_uniform(base: Uniform, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    low, high = float(base.low), float(base.high)
+    for out in outs:
+        out.uniform_(low, high, generator=generator)
+
+
+def _fill_exponential(
+    base: Exponential, outs: list[Tensor], generator: torch.Generator | None
+) -> None:
+    for out in outs:
+        out.exponential_(float(base.rate), generator=generator)
+
+
+def _fill_cauchy(base: Cauchy, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    loc, scale = float(base.loc), float(base.scale)
+    for out in outs:
+        out.cauchy_(loc, scale, generator=generator)
+
+
+def _fill_log_normal(
+    base: LogNormal, outs: list[Tensor], generator: torch.Generator | None
+) -> None:
+    loc, scale = float(base.loc), float(base.scale)
+    for out in outs:
+        out.log_normal_(loc, scale, generator=generator)
+
+
+def _fill_student_t(base: StudentT, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    fill = _student_t_into if _small_integer(base.df) else _sample_other
+    for out in outs:
+        fill(out, base, generator)
+
+
+def _fill_laplace(base: Laplace, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    """loc − scale·sign(u)·log(1 − |u|), u ~ U(eps − 1, 1)."""
+    loc, scale = float(base.loc), float(base.scale)
+    for out in outs:
+        u = out.uniform_(torch.finfo(out.dtype).eps - 1, 1, generator=generator)
+        sign = u.sign()
+        u.abs_().neg_().log1p_().mul_(sign)
+        u.mul_(-scale).add_(loc)
+
+
+def _fill_other(base: Distribution, outs: list[Tensor], generator: torch.Generator | None) -> None:
+    for out in outs:
+        _sample_other(out, base, generator)
 
 
 # Integer degrees of freedom up to this are drawn through normals and uniforms (cost ~ ν/2
@@ -336,7 +368,7 @@ def _student_t_into(out: Tensor, base: StudentT, generator: torch.Generator | No
     out.copy_(z.mul_(chi2.div_(df).rsqrt_()).mul_(scale).add_(loc))
 
 
-def _sample_other(base: Distribution, out: Tensor, generator: torch.Generator | None) -> None:
+def _sample_other(out: Tensor, base: Distribution, generator: torch.Generator | None) -> None:
     """A family without an in-place sampler: by its ``icdf``, else by its own ``sample``."""
     dtype = _work_dtype(out)
     try:
@@ -350,3 +382,227 @@ def _sample_other(base: Distribution, out: Tensor, generator: torch.Generator | 
     with torch.random.fork_rng(devices=[]):  # CPU state only: seed just the CPU generator
         torch.default_generator.manual_seed(seed)
         out.copy_(base.sample(out.shape))
+
+
+# ----------------------------------------------------------------------- families
+FillFn = Callable[[Distribution, list[Tensor], "torch.Generator | None"], None]
+"""``fill(base, outs, generator)``: each tensor of ``outs`` filled in place with draws."""
+KLFn = Callable[[Distribution, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+"""``kl(base, d, log_ratio, scale, scale_h)`` → (KL, ∂KL/∂ log-scale, ∂KL/∂ location)."""
+
+
+@dataclass(frozen=True)
+class BaseFamily:
+    r"""What the library knows of a family of scalar base distributions, registered once per
+    class with :func:`register_base`. Every field but ``params`` is optional; without it the
+    generic path runs (Monte Carlo, ``icdf``, a base passed at load).
+
+    Attributes:
+        params: the constructor's arguments, each an attribute holding a tensor: a posterior
+            file stores them and rebuilds the base by its class name.
+        fill: ``fill(base, outs, generator)`` fills each tensor of ``outs`` in place with
+            i.i.d. draws from ``generator`` (default: the ``icdf`` of uniforms, else the
+            family's own ``sample``).
+        location_fisher: :math:`E[(\partial_\xi \log p(\xi))^2]`, the Fisher information of
+            its location family, or None where it has no closed form for this base.
+        scale_fisher: :math:`E[(\xi\,\partial_\xi \log p(\xi) + 1)^2]`, that of its scale
+            family at scale 1, or None.
+        centre: the centre c of a symmetric base (2c − ξ has its law), for antithetic draws.
+        location_scale_kl: per coordinate, the KL between the family at location difference
+            ``d`` and scales ``scale``, ``scale_h`` (``log_ratio`` their log ratio), with its
+            derivatives in the log-scale (entropy included) and in the location.
+        scale_kl: ``scale_kl(log_ratio)`` → (KL, its derivative) between the family at two
+            scales: a scale family whose KL does not depend on its scale.
+        density: False for a base without a density (a point mass): no Fisher metric, no KL.
+        name: the name :func:`from_name` builds it by, with ``build(scale, **options)``.
+    """
+
+    params: tuple[str, ...]
+    fill: FillFn | None = None
+    location_fisher: Callable[[Distribution], float | None] | None = None
+    scale_fisher: Callable[[Distribution], float | None] | None = None
+    centre: Callable[[Distribution], float] | None = None
+    location_scale_kl: KLFn | None = None
+    scale_kl: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None
+    density: bool = True
+    name: str | None = None
+    build: Callable[..., Distribution] | None = None
+
+
+_FAMILIES: dict[type[Distribution], BaseFamily] = {}
+
+
+def register_base(cls: type[Distribution], params: tuple[str, ...], **facts: Any) -> BaseFamily:
+    """Register what the library knows of the base distributions of class ``cls``: the
+    fields of :class:`BaseFamily` (``params`` and any of the others as keywords). A posterior
+    file then stores a ``cls`` base by its parameters and loads it by the class name, and
+    sampling, the Fisher metric and the KL use the facts given. Registering a class again
+    replaces its entry.
+
+    Raises:
+        ValueError: ``cls`` is not a Distribution subclass, ``params`` names no attribute,
+            or another registered class has the same name (a file names bases by class name).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Distribution)):
+        raise ValueError(f"cls: expected a torch.distributions.Distribution subclass, got {cls!r}")
+    params = tuple(params)
+    if not params or not all(isinstance(p, str) and p for p in params):
+        raise ValueError(f"params: the constructor arguments by name, got {params!r}")
+    clash = next((c for c in _FAMILIES if c.__name__ == cls.__name__ and c is not cls), None)
+    if clash is not None:
+        raise ValueError(
+            f"cls: {clash.__module__}.{clash.__qualname__} is registered under the name "
+            f"{cls.__name__!r} already; a posterior file names bases by class name, so rename one"
+        )
+    if facts.get("name"):
+        facts["name"] = str(facts["name"]).lower()  # from_name matches lowercase names
+    family = BaseFamily(params, **facts)
+    _FAMILIES[cls] = family
+    return family
+
+
+def base_family(base: Distribution, exact: bool = False) -> BaseFamily | None:
+    """The registered :class:`BaseFamily` of ``base``: its class's or, unless ``exact``, its
+    nearest registered ancestor's (a subclass keeps its parent's sampler and Fisher
+    information; a file and a closed-form KL need the class itself, which may change the
+    density)."""
+    if exact:
+        return _FAMILIES.get(type(base))
+    for cls in type(base).__mro__:
+        family = _FAMILIES.get(cls)
+        if family is not None:
+            return family
+    return None
+
+
+def registered(name: str) -> type[Distribution] | None:
+    """The registered base class named ``name``, if any."""
+    return next((cls for cls in _FAMILIES if cls.__name__ == name), None)
+
+
+def fisher_information(base: Distribution) -> tuple[float | None, float | None]:
+    """The Fisher informations of ``base``'s location family and of its scale family at
+    scale 1 (:class:`BaseFamily`), each None where its family gives no closed form."""
+    family = base_family(base)
+    if family is None:
+        return None, None
+    location = None if family.location_fisher is None else family.location_fisher(base)
+    scale = None if family.scale_fisher is None else family.scale_fisher(base)
+    return location, scale
+
+
+def has_density(base: Distribution) -> bool:
+    """Whether ``base`` has a density (False for a point mass such as :class:`Dirac`)."""
+    family = base_family(base)
+    return family is None or family.density
+
+
+def _centred(base: Distribution, value: float) -> float | None:
+    return value if float(base.loc) == 0 else None  # type: ignore[attr-defined]
+
+
+def _student_t_location(base: StudentT) -> float | None:
+    df, s = float(base.df), float(base.scale)
+    return _centred(base, (df + 1) / ((df + 3) * s**2))
+
+
+def _student_t_scale(base: StudentT) -> float | None:
+    df = float(base.df)
+    return _centred(base, 2 * df / (df + 3))
+
+
+def _normal_kl(
+    base: Normal, loc: Tensor, log_ratio: Tensor, scale: Tensor, scale_h: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r""":math:`(r^2 - 1)/2 - \log r + d^2/2\sigma_h^2`, ``r = exp(log_ratio)``."""
+    sigma_h = scale_h * float(base.scale)
+    kl = torch.expm1(2 * log_ratio) / 2 - log_ratio + loc**2 / (2 * sigma_h**2)
+    return kl, torch.expm1(2 * log_ratio), loc / sigma_h**2
+
+
+def _laplace_kl(
+    base: Laplace, loc: Tensor, log_ratio: Tensor, scale: Tensor, scale_h: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r""":math:`|d|/s_h + r e^{-a} - 1 - \log r`, :math:`a = |d|/s`."""
+    s, s_h = scale * float(base.scale), scale_h * float(base.scale)
+    a = loc.abs() / s
+    kl = loc.abs() / s_h + torch.expm1(log_ratio - a) - log_ratio
+    d_log_scale = torch.expm1(log_ratio - a + torch.log1p(a))
+    return kl, d_log_scale, loc.sign() * -torch.expm1(-a) / s_h
+
+
+def _rayleigh_kl(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
+    """:math:`r^2 - 1 - 2\\log r` and its derivative :math:`2(r^2 - 1)` in log r."""
+    return torch.expm1(2 * log_ratio) - 2 * log_ratio, 2 * torch.expm1(2 * log_ratio)
+
+
+def _loc(base: Distribution) -> float:
+    return float(base.loc)  # type: ignore[attr-defined]
+
+
+def _student_t(scale: float, df: float = 3.0) -> StudentT:
+    return StudentT(df, 0.0, scale)
+
+
+register_base(
+    Normal,
+    ("loc", "scale"),
+    fill=_fill_normal,
+    location_fisher=lambda b: 1 / float(b.scale) ** 2,
+    scale_fisher=lambda b: _centred(b, 2.0),
+    centre=_loc,
+    location_scale_kl=_normal_kl,
+    name="gaussian",
+    build=lambda scale: Normal(0.0, scale),
+)
+register_base(
+    Laplace,
+    ("loc", "scale"),
+    fill=_fill_laplace,
+    location_fisher=lambda b: 1 / float(b.scale) ** 2,
+    scale_fisher=lambda b: _centred(b, 1.0),
+    centre=_loc,
+    location_scale_kl=_laplace_kl,
+    name="laplace",
+    build=lambda scale: Laplace(0.0, scale),
+)
+register_base(
+    Uniform,
+    ("low", "high"),
+    fill=_fill_uniform,
+    centre=lambda b: float(b.low + b.high) / 2,
+    name="uniform",
+    build=lambda scale: Uniform(-scale, scale),
+)
+register_base(
+    StudentT,
+    ("df", "loc", "scale"),
+    fill=_fill_student_t,
+    location_fisher=_student_t_location,
+    scale_fisher=_student_t_scale,
+    centre=_loc,
+    name="student-t",
+    build=_student_t,
+)
+register_base(
+    Rayleigh,
+    ("scale",),
+    fill=_fill_rayleigh,
+    scale_fisher=lambda b: 4.0,
+    scale_kl=_rayleigh_kl,
+    name="rayleigh",
+    build=Rayleigh,
+)
+register_base(
+    Dirac,
+    ("value",),
+    fill=_fill_dirac,
+    centre=lambda b: float(b.value),
+    density=False,
+    name="dirac",
+)
+register_base(Cauchy, ("loc", "scale"), fill=_fill_cauchy, centre=_loc)
+register_base(Exponential, ("rate",), fill=_fill_exponential)
+register_base(LogNormal, ("loc", "scale"), fill=_fill_log_normal)
+NAMES: tuple[str, ...] = tuple(f.name for f in _FAMILIES.values() if f.name)
+"""Names accepted by :func:`from_name` (those of the built-in families)."""

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.func
 from torch import Tensor
-from torch.distributions import Distribution, Laplace, Normal, StudentT
+from torch.distributions import Distribution
 
-from .distributions import Dirac, Rayleigh, sample_into
-from .groups import AdditiveGroup, DiagonalAffineGroup, LieGroup, MultiplicativeGroup
+from .distributions import has_density, sample_into
+from .groups import LieGroup
 from .groups.base import Shape
 
 __all__ = [
@@ -65,52 +65,9 @@ def entropy_gradient(group: LieGroup, g: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- Fisher
-def _score_location(base: Distribution) -> float | None:
-    """E[(∂ log p(ξ)/∂ξ)²]: the Fisher information of a location family."""
-    if isinstance(base, Normal):
-        return 1 / float(base.scale) ** 2
-    if isinstance(base, Laplace):
-        return 1 / float(base.scale) ** 2
-    if isinstance(base, StudentT) and float(base.loc) == 0:
-        df, s = float(base.df), float(base.scale)
-        return (df + 1) / ((df + 3) * s**2)
-    return None
-
-
-def _score_scale(base: Distribution) -> float | None:
-    """E[(ξ ∂ log p(ξ)/∂ξ + 1)²]: the Fisher information of a scale family at scale 1."""
-    if isinstance(base, Normal) and float(base.loc) == 0:
-        return 2.0
-    if isinstance(base, Laplace) and float(base.loc) == 0:
-        return 1.0
-    if isinstance(base, StudentT) and float(base.loc) == 0:
-        df = float(base.df)
-        return 2 * df / (df + 3)
-    if isinstance(base, Rayleigh):
-        return 4.0
-    return None
-
-
-def _block(group: LieGroup, base: Distribution) -> Tensor | None:
-    """Per-coordinate Fisher block for a built-in elementwise (group, q0) pair, or None."""
-    if isinstance(group, AdditiveGroup):
-        loc = _score_location(base)
-        return None if loc is None else torch.tensor([[loc]])
-    if isinstance(group, MultiplicativeGroup):
-        scale = _score_scale(base) if isinstance(base, Rayleigh) else None
-        if scale is None:
-            return None
-        return scale * torch.eye(2 if group.signed else 1)
-    if isinstance(group, DiagonalAffineGroup):  # components (u, v); centred bases only
-        loc, scale = _score_location(base), _score_scale(base)
-        if loc is None or scale is None:
-            return None
-        return torch.diag(torch.tensor([scale, loc]))
-    return None
-
-
 def fisher_closed_form(group: LieGroup, base: Distribution, shape: Shape = ()) -> Tensor | None:
-    r"""Closed-form Fisher metric at the identity for built-in pairs, else ``None``.
+    r"""Closed-form Fisher metric at the identity, from the group's
+    :meth:`~liegroup_blr.groups.LieGroup.fisher_block`, else ``None``.
 
     Per coordinate (σ the base scale):
 
@@ -125,7 +82,7 @@ def fisher_closed_form(group: LieGroup, base: Distribution, shape: Shape = ()) -
         the ``(d, d)`` matrix over the flattened algebra (``d = algebra_shape(shape).numel()``,
         component-major), or ``None`` if the pair has no closed form here.
     """
-    block = _block(group, base)
+    block = group.fisher_block(base)
     if block is None:
         return None
     n = math.prod(shape)
@@ -183,8 +140,10 @@ def fisher_monte_carlo(
     with the scores of all draws computed in one ``torch.func.vmap(torch.func.grad(...))``.
     The standard error of each entry is about ``sqrt(Var[s_i s_j] / num_samples)``.
     """
-    if isinstance(base, Dirac):
-        raise ValueError("base: a Dirac base has no density and no Fisher information")
+    if not has_density(base):
+        raise ValueError(
+            f"base: a {type(base).__name__} base has no density and no Fisher information"
+        )
     s = next(_scores(group, base, shape, num_samples, generator, num_samples, dtype))
     return s.T @ s / num_samples
 
@@ -263,7 +222,8 @@ def inverse_metric(
 
     1. the group's own :meth:`~liegroup_blr.groups.LieGroup.fisher` (a ``(d, d)`` matrix or
        a ``(d,)`` diagonal);
-    2. :func:`fisher_closed_form`'s per-coordinate block for built-in pairs;
+    2. the group's :meth:`~liegroup_blr.groups.LieGroup.fisher_block`, a closed form for
+       built-in pairs;
     3. for an :attr:`~liegroup_blr.groups.LieGroup.elementwise` group, a Monte-Carlo estimate
        of its ``c × c`` block (``c = len(components)``, at least 1), averaged over the
        coordinates of ``shape``;
@@ -286,8 +246,9 @@ def inverse_metric(
             Uniform base under translations: its score is 0 inside the support), naming the
             base; or if ``d`` > :data:`MAX_MONTE_CARLO_DIM` and the group declares no metric.
     """
-    if isinstance(base, Dirac):
-        raise _singular(group, base, "a Dirac base has no density, hence no Fisher information")
+    if not has_density(base):
+        why = f"a {type(base).__name__} base has no density, hence no Fisher information"
+        raise _singular(group, base, why)
     declared = group.fisher(base, shape)
     d = group.algebra_shape(shape).numel()
     if declared is not None:
@@ -298,7 +259,7 @@ def inverse_metric(
             )
         return _metric_solver(group, base, declared)
     c = max(1, len(group.components))
-    block = _block(group, base)
+    block = group.fisher_block(base)
     if block is None and group.elementwise:
         coords = max(1, d // c)
         draws = max(1, math.ceil(num_samples / coords))

@@ -54,11 +54,11 @@ from contextlib import contextmanager
 import torch
 import torch.func
 from torch import Tensor
-from torch.distributions import Distribution, Laplace, Normal, constraints
+from torch.distributions import Distribution, constraints
 
-from .distributions import Dirac, Rayleigh, sample_into
+from .distributions import has_density, sample_into
 from .fisher import entropy_gradient
-from .groups import AdditiveGroup, DiagonalAffineGroup, LieGroup, MultiplicativeGroup
+from .groups import LieGroup
 
 __all__ = [
     "has_closed_form",
@@ -68,16 +68,15 @@ __all__ = [
     "kl_monte_carlo",
 ]
 
-_LOCATION_SCALE = (Normal, Laplace)
-
 
 # --------------------------------------------------------------------------- checks
 def _check(group: LieGroup, base: Distribution, g: Tensor, h: Tensor) -> None:
     """ValueError for a Dirac base or elements that are not of one shape of ``group``."""
-    if isinstance(base, Dirac):
+    if not has_density(base):
         raise ValueError(
-            "base: a Dirac base gives KL(q_g || q_h) = inf between distinct posteriors (point "
-            "masses have no density); use a base with a density, e.g. Normal(0, sigma)"
+            f"base: a {type(base).__name__} base gives KL(q_g || q_h) = inf between distinct "
+            "posteriors (point masses have no density); use a base with a density, e.g. "
+            "Normal(0, sigma)"
         )
     if g.shape != h.shape:
         raise ValueError(f"h: shape {tuple(h.shape)} differs from g's {tuple(g.shape)}")
@@ -86,51 +85,11 @@ def _check(group: LieGroup, base: Distribution, g: Tensor, h: Tensor) -> None:
 
 def has_closed_form(group: LieGroup, base: Distribution) -> bool:
     """Whether :func:`kl_divergence` and :func:`kl_gradient` use a closed form for this pair:
-    the additive and diagonal affine groups with a Normal or Laplace base, the multiplicative
-    group (signed or not) with a Rayleigh base. Types are matched exactly: a subclass may
-    change the action or the density, so it goes to Monte Carlo."""
-    kind = type(group)
-    if kind in (AdditiveGroup, DiagonalAffineGroup):
-        return type(base) in _LOCATION_SCALE
-    return kind is MultiplicativeGroup and type(base) is Rayleigh
-
-
-# --------------------------------------------------------------------- closed forms
-def _location_scale(
-    base: Distribution, loc: Tensor, log_ratio: Tensor, scale: Tensor, scale_h: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per coordinate KL between the base's family at (loc, scale) and (loc_h, scale_h), its
-    derivative in the log-scale (entropy included) and in the location; ``loc`` is the
-    difference of locations d, ``log_ratio`` = log(scale/scale_h)."""
-    if isinstance(base, Normal):
-        sigma_h = scale_h * float(base.scale)
-        kl = torch.expm1(2 * log_ratio) / 2 - log_ratio + loc**2 / (2 * sigma_h**2)
-        return kl, torch.expm1(2 * log_ratio), loc / sigma_h**2
-    assert isinstance(base, Laplace)
-    s, s_h = scale * float(base.scale), scale_h * float(base.scale)
-    a = loc.abs() / s
-    kl = loc.abs() / s_h + torch.expm1(log_ratio - a) - log_ratio
-    d_log_scale = torch.expm1(log_ratio - a + torch.log1p(a))
-    return kl, d_log_scale, loc.sign() * -torch.expm1(-a) / s_h
-
-
-def _closed_form(
-    group: LieGroup, base: Distribution, g: Tensor, h: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(per-coordinate KL, algebra gradient) of a pair :func:`has_closed_form` accepts."""
-    if isinstance(group, MultiplicativeGroup):  # Rayleigh: scale family, its scale cancels
-        log_ratio = g.log() - h.log()
-        return torch.expm1(2 * log_ratio) - 2 * log_ratio, 2 * torch.expm1(2 * log_ratio)
-    assert isinstance(base, _LOCATION_SCALE)
-    mu = float(base.loc)
-    if isinstance(group, AdditiveGroup):
-        one = torch.ones_like(g)
-        kl, _, d_loc = _location_scale(base, g - h, torch.zeros_like(g), one, one)
-        return kl, d_loc
-    (A, b), (A_h, b_h) = g, h
-    loc = b + A * mu - (b_h + A_h * mu)
-    kl, d_log_scale, d_loc = _location_scale(base, loc, A.log() - A_h.log(), A, A_h)
-    return kl, torch.stack((d_log_scale + A * mu * d_loc, A * d_loc))
+    the group's :meth:`~liegroup_blr.groups.LieGroup.kl_closed_form` (the additive and
+    diagonal affine groups with a Normal or Laplace base, the multiplicative group, signed or
+    not, with a Rayleigh base). Types are matched exactly: a subclass may change the action
+    or the density, so it goes to Monte Carlo."""
+    return group.kl_closed_form(base) is not None
 
 
 # ---------------------------------------------------------------------- Monte Carlo
@@ -290,8 +249,9 @@ def kl_divergence(
         ValueError: a Dirac base (infinite KL), or elements of different or invalid shapes.
     """
     _check(group, base, g, h)
-    if has_closed_form(group, base):
-        return _closed_form(group, base, g, h)[0].sum()
+    form = group.kl_closed_form(base)
+    if form is not None:
+        return form(g, h)[0].sum()
     per_draw = group.base_shape(group.param_shape(g.shape)).numel()
     total = g.new_zeros(())
     for xi in _draws(group, base, g, num_samples, generator, per_draw):
@@ -318,8 +278,9 @@ def kl_gradient(
         ValueError: as :func:`kl_divergence`, and for ``control_variate`` where it is biased.
     """
     _check(group, base, g, h)
-    if has_closed_form(group, base):
-        return _closed_form(group, base, g, h)[1]
+    form = group.kl_closed_form(base)
+    if form is not None:
+        return form(g, h)[1]
     per_draw = group.algebra_zeros_like(g).numel()
     total = group.algebra_zeros_like(g)
     for xi in _draws(group, base, g, num_samples, generator, per_draw):

@@ -41,7 +41,6 @@ import torch
 from torch import Tensor, nn
 
 from ._laplace import jacobian_batch, laplace_moments, laplace_prior
-from .groups import AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup
 from .posterior import Posterior, PosteriorEntry, holder
 
 __all__ = [
@@ -86,7 +85,6 @@ DEFAULT_VARIANCE = "posterior"
 REDUCTIONS = ("mean", "sum", "none")
 LIKELIHOODS = ("categorical", "gaussian")
 CHANGES = ("probabilities", "logits")
-_DIAGONAL_GROUPS = (AdditiveGroup, DiagonalAffineGroup, MultiplicativeGroup)
 
 
 @dataclass(frozen=True)
@@ -455,7 +453,7 @@ def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tupl
 
 def _jacobian_ready(entry: PosteriorEntry) -> str | None:
     """Why the Jacobian form cannot take ``entry`` (None if it can)."""
-    if type(entry.group) not in _DIAGONAL_GROUPS:
+    if not entry.group.elementwise:
         return f"its group {type(entry.group).__name__} gives no diagonal covariance"
     if not math.isfinite(float(entry.base.variance)):
         return f"its base {type(entry.base).__name__} has an infinite variance"
@@ -472,7 +470,7 @@ def _method(post: Posterior, method: str) -> str:
         return method
     reasons = {k: _jacobian_ready(e) for k, e in post.items()}
     if method == "auto":
-        gaussian_like = all(type(e.group) is not MultiplicativeGroup for e in post.values())
+        gaussian_like = all(e.group.gaussian_like for e in post.values())
         return "jacobian" if gaussian_like and not any(reasons.values()) else "samples"
     for key, reason in reasons.items():
         if reason is not None:
@@ -558,15 +556,8 @@ def _moments(
 
 
 def _coordinate_variance(entry: PosteriorEntry) -> Tensor:
-    r"""Var θ per coordinate: Var ξ (additive), :math:`A^2` Var ξ (diagonal affine),
-    :math:`(g^{+2} + g^{-2})` Var ξ (signed multiplicative; :math:`g^2` Var ξ unsigned)."""
-    G, g = entry.group, entry.element
-    var = float(entry.base.variance)
-    if isinstance(G, DiagonalAffineGroup):
-        return g[0].square() * var
-    if isinstance(G, MultiplicativeGroup):
-        return (g[0].square() + g[1].square()) * var if G.signed else g.square() * var
-    return g.new_full(entry.shape, var)
+    """Var θ per coordinate (:meth:`~liegroup_blr.groups.LieGroup.coordinate_variance`)."""
+    return entry.group.coordinate_variance(entry.element, entry.base)
 
 
 def _samples_batch(

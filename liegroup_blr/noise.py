@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributions import Cauchy, Distribution, Laplace, Normal, StudentT, Uniform
+from torch.distributions import Distribution
 
-from .distributions import Dirac, sample_each, sample_into
+from .distributions import base_family, sample_each, sample_into
 from .sharding import SHARDED, shard_name, shard_of
 
 __all__ = [
@@ -60,14 +60,10 @@ _CPU = torch.device("cpu")
 
 
 def symmetric_centre(base: Distribution) -> float | None:
-    """Centre c of a base symmetric about c (so 2c − ξ has the base's law), else ``None``."""
-    if isinstance(base, (Normal, Laplace, StudentT, Cauchy)):
-        return float(base.loc)
-    if isinstance(base, Uniform):
-        return float(base.low + base.high) / 2
-    if isinstance(base, Dirac):
-        return float(base.value)
-    return None
+    """Centre c of a base symmetric about c (so 2c − ξ has the base's law), else ``None``:
+    its family's ``centre`` (:class:`~liegroup_blr.distributions.BaseFamily`)."""
+    family = base_family(base)
+    return None if family is None or family.centre is None else family.centre(base)
 
 
 class NoiseTable:

@@ -17,27 +17,12 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
-from torch.distributions import (
-    Cauchy,
-    Distribution,
-    Exponential,
-    Laplace,
-    LogNormal,
-    Normal,
-    StudentT,
-    Uniform,
-)
+from torch.distributions import Distribution
 
 from ._userline import warn
-from .distributions import Dirac, Rayleigh
-from .groups import (
-    AdditiveGroup,
-    DiagonalAffineGroup,
-    FullAffineGroup,
-    LieGroup,
-    MultiplicativeGroup,
-    RotationScalingGroup,
-)
+from .distributions import base_family, registered
+from .groups import LieGroup
+from .groups.base import registered_group
 
 __all__ = ["FORMAT", "VERSION", "Entry", "describe_base", "entries", "load", "save", "state_dict"]
 
@@ -65,29 +50,6 @@ VERSION = 2
 ``"temperature"`` and ``"data_size"`` to version 1's."""
 READS = (1, 2)
 """The versions this module reads."""
-
-_GROUPS: dict[str, type[LieGroup]] = {
-    cls.__name__: cls
-    for cls in (
-        AdditiveGroup,
-        DiagonalAffineGroup,
-        MultiplicativeGroup,
-        FullAffineGroup,
-        RotationScalingGroup,
-    )
-}
-_BASES: dict[str, tuple[type[Distribution], tuple[str, ...]]] = {
-    "Normal": (Normal, ("loc", "scale")),
-    "Laplace": (Laplace, ("loc", "scale")),
-    "StudentT": (StudentT, ("df", "loc", "scale")),
-    "Uniform": (Uniform, ("low", "high")),
-    "Cauchy": (Cauchy, ("loc", "scale")),
-    "Exponential": (Exponential, ("rate",)),
-    "LogNormal": (LogNormal, ("loc", "scale")),
-    "Rayleigh": (Rayleigh, ("scale",)),
-    "Dirac": (Dirac, ("value",)),
-}
-"""Bases a file restores by name: their constructor parameters are stored as tensors."""
 
 
 def state_dict(
@@ -216,18 +178,17 @@ def load(path: str | os.PathLike[str], map_location: str | torch.device | None) 
 
 
 def _group_spec(group: LieGroup) -> dict[str, Any]:
-    spec: dict[str, Any] = {"name": type(group).__name__}
-    if type(group) is MultiplicativeGroup:
-        spec["signed"] = bool(group.signed)
-    return spec
+    """The group's class name and :meth:`~liegroup_blr.groups.LieGroup.options`."""
+    return {"name": type(group).__name__, **group.options()}
 
 
 def _base_spec(base: Distribution) -> dict[str, Any]:
-    name = type(base).__name__
-    known = _BASES.get(name)
-    if known is None or type(base) is not known[0]:
+    """The base's class name and, for a registered class
+    (:func:`~liegroup_blr.distributions.register_base`), its parameters."""
+    name, family = type(base).__name__, base_family(base, exact=True)
+    if family is None:
         return {"name": name}
-    return {"name": name, "params": {k: getattr(base, k).detach().clone() for k in known[1]}}
+    return {"name": name, "params": {k: getattr(base, k).detach().clone() for k in family.params}}
 
 
 def describe_base(base: Distribution) -> str:
@@ -245,20 +206,23 @@ def _as_tensor(value: Any, key: str | int) -> Tensor:
 
 def _restore(spec: Mapping[str, Any], key: str | int, passed: Any, kind: str) -> Any:
     """The group or base of entry ``key``: passed by the caller (by key, by class name, or
-    one object for all), else rebuilt from a built-in name; ValueError naming what to pass."""
+    one object for all), else rebuilt from a registered class of that name
+    (:func:`~liegroup_blr.groups.register_group`,
+    :func:`~liegroup_blr.distributions.register_base`); ValueError naming what to pass."""
     name = spec["name"]
     if isinstance(passed, Mapping):
         obj = passed.get(key, passed.get(name))
     else:  # one object for every entry saved with its class
         obj = passed if type(passed).__name__ == name else None
     if obj is None:
-        if kind == "groups" and name in _GROUPS:
-            return _GROUPS[name](**{k: v for k, v in spec.items() if k != "name"})
-        if kind == "bases" and "params" in spec:
-            return _BASES[name][0](**spec["params"])
+        group, base = registered_group(name), registered(name)
+        if kind == "groups" and group is not None:
+            return group(**{k: v for k, v in spec.items() if k != "name"})
+        if kind == "bases" and "params" in spec and base is not None:
+            return base(**spec["params"])
         raise ValueError(
-            f"{kind}: entry {key!r} was saved with the custom {name!r}, which a file cannot "
-            f"hold; pass it: Posterior.load(path, {kind}={{{name!r}: ...}})"
+            f"{kind}: entry {key!r} was saved with the custom {name!r}, which is not "
+            f"registered here; pass it: Posterior.load(path, {kind}={{{name!r}: ...}})"
         )
     if type(obj).__name__ != name:
         raise ValueError(

@@ -3,7 +3,7 @@ worked examples of groups that do not act coordinatewise (full affine) or act on
 
 from .additive import AdditiveGroup
 from .affine import DiagonalAffineGroup, exprel
-from .base import LieGroup
+from .base import LieGroup, register_group, registered_group
 from .full_affine import FullAffineGroup
 from .multiplicative import MultiplicativeGroup
 from .rotation_scaling import RotationScalingGroup
@@ -16,4 +16,6 @@ __all__ = [
     "MultiplicativeGroup",
     "RotationScalingGroup",
     "exprel",
+    "register_group",
+    "registered_group",
 ]

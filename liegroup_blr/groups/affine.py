@@ -6,8 +6,10 @@ import math
 
 import torch
 from torch import Tensor
+from torch.distributions import Distribution
 
-from .base import LieGroup, Shape
+from ..distributions import base_family, fisher_information
+from .base import KLForm, LieGroup, Shape, register_group
 from .multiplicative import clamp_positive_
 
 __all__ = ["DiagonalAffineGroup", "exprel"]
@@ -23,6 +25,7 @@ def exprel(u: Tensor) -> Tensor:
     return torch.where(small, taylor, torch.expm1(safe) / safe)
 
 
+@register_group
 class DiagonalAffineGroup(LieGroup):
     r"""Elementwise affine maps :math:`g = (A, b)`, :math:`A > 0`, acting by
     :math:`g \cdot \xi = A \odot \xi + b`.
@@ -39,6 +42,7 @@ class DiagonalAffineGroup(LieGroup):
 
     name = "DiagonalAffine"
     elementwise = True
+    gaussian_like = True
     components = ("scale", "shift")
 
     def element_shape(self, shape: Shape) -> torch.Size:
@@ -101,6 +105,38 @@ class DiagonalAffineGroup(LieGroup):
         if ok and not bool((g[0] > 0).all()):
             return False, "the scale A of an affine element must be positive"
         return ok, reason
+
+    def fisher_block(self, base: Distribution) -> Tensor | None:
+        """``diag(F_scale, F_loc)`` for the components (u, v) of a centred base: (2, 1/σ²)
+        Gaussian, (1, 1/σ²) Laplace, (2ν/(ν+3), (ν+1)/((ν+3)σ²)) Student-t."""
+        location, scale = fisher_information(base)
+        if location is None or scale is None:
+            return None
+        return torch.diag(torch.tensor([scale, location]))
+
+    def kl_closed_form(self, base: Distribution) -> KLForm | None:
+        """The base family's KL between (A, b) and (A_h, b_h): its locations b + Aμ and
+        scales A (μ the base's location), for this class exactly and a base whose family
+        gives it (Gaussian, Laplace); the gradient in (u, v) includes the entropy's part."""
+        family = base_family(base, exact=True)
+        if type(self) is not DiagonalAffineGroup or family is None:
+            return None
+        kl = family.location_scale_kl
+        if kl is None:
+            return None
+        mu = float(base.loc)  # type: ignore[attr-defined]
+
+        def form(g: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+            (A, b), (A_h, b_h) = g, h
+            loc = b + A * mu - (b_h + A_h * mu)
+            value, d_log_scale, d_loc = kl(base, loc, A.log() - A_h.log(), A, A_h)
+            return value, torch.stack((d_log_scale + A * mu * d_loc, A * d_loc))
+
+        return form
+
+    def coordinate_variance(self, g: Tensor, base: Distribution) -> Tensor:
+        """A² Var ξ."""
+        return g[0].square() * float(base.variance)
 
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
         self.one_element(x)

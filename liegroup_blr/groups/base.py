@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import abc
+import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.func
@@ -14,9 +17,15 @@ with warnings.catch_warnings():  # geoopt decorates with torch.jit.script, depre
     warnings.filterwarnings("ignore", r"`torch\.jit\.script", DeprecationWarning)
     import geoopt
 
-__all__ = ["LieGroup"]
+__all__ = ["LieGroup", "register_group", "registered_group"]
 
 Shape = torch.Size | tuple[int, ...]
+KLForm = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+r"""``form(g, h)`` → (per-coordinate :math:`\mathrm{KL}(q_g \,\|\, q_h)`, its algebra
+gradient at g)."""
+MAX_JACOBIAN = 2**24
+"""Largest Jacobian (parameter × base entries) :meth:`LieGroup.coordinate_variance` builds for a
+group that does not act coordinatewise."""
 
 
 class LieGroup(geoopt.Manifold, abc.ABC):
@@ -52,6 +61,10 @@ class LieGroup(geoopt.Manifold, abc.ABC):
     own independent ``c``-dimensional algebra block, the same for every coordinate, and the
     Fisher metric is block-diagonal with one ``c × c`` block repeated. True for the built-in
     groups."""
+    gaussian_like: bool = False
+    """Whether θ's law is a location-scale family of the base's (θ affine in ξ, one scale
+    per coordinate), so memory maps take their Jacobian form by default: the additive and
+    diagonal affine groups."""
     components: tuple[str, ...] = ()
     """Names of the leading algebra components, one per entry of the algebra tensor's axis 0,
     for per-component step factors (e.g. ``("scale", "shift")``); ``()``: a single component."""
@@ -184,6 +197,63 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         """
         return None
 
+    # -------------------------------------------------- what a base asks of the group
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that rebuild this group (a posterior file stores them)."""
+        return {}
+
+    def fisher_block(self, base: Distribution) -> Tensor | None:
+        """The ``(c, c)`` block of the Fisher metric at the identity per coordinate of an
+        :attr:`elementwise` group under ``base`` (``c = max(1, len(components))``), in closed
+        form from the base's Fisher informations
+        (:func:`~liegroup_blr.distributions.fisher_information`); default ``None``: estimated
+        by Monte Carlo (:func:`~liegroup_blr.fisher.inverse_metric`)."""
+        return None
+
+    def kl_closed_form(self, base: Distribution) -> KLForm | None:
+        r"""``form(g, h)`` → (per-coordinate :math:`\mathrm{KL}(q_g \,\|\, q_h)`, its algebra
+        gradient at g, the entropy's part included) in closed form for this group and
+        ``base``; default ``None``: estimated by Monte Carlo (:mod:`liegroup_blr.kl`)."""
+        return None
+
+    def coordinate_variance(self, g: Tensor, base: Distribution) -> Tensor:
+        r"""Var θ per coordinate of the parameter under :math:`q_g`, to first order in ξ
+        (exact for an action linear in ξ, as every built-in group's):
+
+        .. math:: \operatorname{Var}\theta_i = \operatorname{Var}\xi
+                  \sum_j \big(\partial\theta_i/\partial\xi_j\big)^2
+
+        at ξ = E ξ, by ``torch.func`` (one ``jvp`` per base part for an :attr:`elementwise`
+        group, whose Jacobian is diagonal per part; the whole Jacobian otherwise).
+
+        Raises:
+            ValueError: a group that does not act coordinatewise, whose Jacobian would have
+                more than 2²⁴ entries: override this method.
+        """
+        shape = self.param_shape(g.shape)
+        base_shape = self.base_shape(shape)
+        mean = float(base.mean)
+        xi = g.new_full(base_shape, mean if math.isfinite(mean) else 0.0)
+
+        def theta(x: Tensor) -> Tensor:
+            return self.readout(self.act(g, x))
+
+        if self.elementwise:
+            parts = base_shape[0] if len(base_shape) > len(shape) else 0
+            tangents = [xi.new_zeros(base_shape) for _ in range(max(1, parts))]
+            for p, t in enumerate(tangents):
+                (t[p] if parts else t).fill_(1.0)
+            slopes = [torch.func.jvp(theta, (xi,), (t,))[1] for t in tangents]
+            return torch.stack(slopes).square().sum(0) * float(base.variance)
+        if math.prod(shape) * xi.numel() > MAX_JACOBIAN:
+            raise ValueError(
+                f"coordinate_variance: the {self.name} group's Jacobian for a parameter of "
+                f"shape {tuple(shape)} is too large to build; override "
+                f"{type(self).__name__}.coordinate_variance"
+            )
+        jacobian = torch.func.jacfwd(theta)(xi).reshape(*shape, -1)
+        return jacobian.square().sum(-1) * float(base.variance)
+
     # -------------------------------------------------- geoopt.Manifold API
     def step(self, x: Tensor, u: Tensor) -> Tensor:
         """``x · exp(u)`` kept in the group for any step: ``u`` is clamped to the finite range
@@ -282,3 +352,31 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         except ValueError as err:
             return False, f"{name}: {err}"
         return True, None
+
+
+_GROUPS: dict[str, type[LieGroup]] = {}
+
+
+def register_group(cls: type[LieGroup]) -> type[LieGroup]:
+    """Register a group class by its name, so that a posterior file saved with it loads
+    without passing it (rebuilt from :meth:`LieGroup.options`); usable as a class decorator.
+
+    Raises:
+        ValueError: ``cls`` is not a LieGroup subclass, or another registered class has the
+            same name (a file names groups by class name).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, LieGroup)):
+        raise ValueError(f"cls: expected a LieGroup subclass, got {cls!r}")
+    clash = _GROUPS.get(cls.__name__)
+    if clash is not None and clash is not cls:
+        raise ValueError(
+            f"cls: {clash.__module__}.{clash.__qualname__} is registered under the name "
+            f"{cls.__name__!r} already; a posterior file names groups by class name, so rename one"
+        )
+    _GROUPS[cls.__name__] = cls
+    return cls
+
+
+def registered_group(name: str) -> type[LieGroup] | None:
+    """The registered group class named ``name``, if any."""
+    return _GROUPS.get(name)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
 
-from .base import LieGroup, Shape
+from .base import LieGroup, Shape, register_group
 
 __all__ = ["FullAffineGroup"]
 
@@ -27,6 +27,7 @@ def _size(length: int) -> int:
     return n
 
 
+@register_group
 class FullAffineGroup(LieGroup):
     r"""Affine maps :math:`g = (L, b)` with :math:`L` lower-triangular with a positive diagonal,
     acting on the flattened parameter by :math:`g \cdot \xi = L\xi + b`.

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.distributions import Distribution
 
-from .base import LieGroup, Shape
+from ..distributions import base_family, fisher_information, positive_support
+from .base import KLForm, LieGroup, Shape, register_group
 
 __all__ = ["MultiplicativeGroup", "clamp_positive_"]
 
@@ -16,6 +20,7 @@ def clamp_positive_(g: Tensor) -> Tensor:
     return g.clamp_(info.tiny, info.max)
 
 
+@register_group
 class MultiplicativeGroup(LieGroup):
     r"""Positive scalings acting elementwise, :math:`g \cdot \xi = g \odot \xi`, :math:`g > 0`.
 
@@ -134,6 +139,29 @@ class MultiplicativeGroup(LieGroup):
         if ok and not bool((g > 0).all()):
             return False, "multiplicative elements must be positive"
         return ok, reason
+
+    def options(self) -> dict[str, Any]:
+        return {"signed": bool(self.signed)}
+
+    def fisher_block(self, base: Distribution) -> Tensor | None:
+        """``F_scale · I`` over the parts for a base on (0, ∞) (Rayleigh: 4)."""
+        _, scale = fisher_information(base) if positive_support(base) else (None, None)
+        return None if scale is None else scale * torch.eye(2 if self.signed else 1)
+
+    def kl_closed_form(self, base: Distribution) -> KLForm | None:
+        """Per part, the base's scale-family KL in r = g/h (Rayleigh: r² − 1 − 2 log r), for
+        this class exactly; signed, the sum over the parts (the KL between the laws of the
+        pair of parts)."""
+        family = base_family(base, exact=True)
+        if type(self) is not MultiplicativeGroup or family is None or family.scale_kl is None:
+            return None
+        kl = family.scale_kl
+        return lambda g, h: kl(g.log() - h.log())
+
+    def coordinate_variance(self, g: Tensor, base: Distribution) -> Tensor:
+        """(g⁺² + g⁻²) Var ξ signed, g² Var ξ unsigned."""
+        var = float(base.variance)
+        return (g[0].square() + g[1].square()) * var if self.signed else g.square() * var
 
     def egrad2rgrad(self, x: Tensor, u: Tensor) -> Tensor:
         self.one_element(x)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Distribution, Normal
 
-from .base import LieGroup, Shape
+from .base import LieGroup, Shape, register_group
 
 __all__ = ["RotationScalingGroup"]
 
@@ -17,6 +17,7 @@ def _pairs(x: Tensor) -> tuple[Tensor, Tensor]:
     return x[..., 0], x[..., 1]
 
 
+@register_group
 class RotationScalingGroup(LieGroup):
     r"""Non-zero complex numbers :math:`z = r e^{i\varphi}`, one per pair of consecutive
     entries along a parameter's last axis, acting on the pair :math:`\xi = (\xi_1, \xi_2)` as

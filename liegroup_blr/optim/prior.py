@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import Distribution
 
-from ..distributions import Dirac
+from ..distributions import has_density
 from ..groups import LieGroup
 from ..kl import kl_gradient
 from ..posterior import Posterior
@@ -224,10 +224,10 @@ def prior_for(
         group = group_of(p)
         G = lie_group_of(group)
         where = f"prior: entry {key!r}"
-        if isinstance(group["base"], Dirac):
+        if not has_density(group["base"]):
             raise ValueError(
-                f"{where}: a Dirac base has no density, so KL(q || prior) is infinite; use a "
-                "base with a density"
+                f"{where}: a {type(group['base']).__name__} base has no density, so "
+                "KL(q || prior) is infinite; use a base with a density"
             )
         if type(entry.group) is not type(G) or entry.group.extra_repr() != G.extra_repr():
             raise ValueError(f"{where} was learnt with {entry.group}, this optimizer has {G}")

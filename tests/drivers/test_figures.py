@@ -198,9 +198,9 @@ def test_final_accuracy_starts_at_zero_and_draws_diverged_seeds(drawn: dict[str,
     (ax,) = drawn["a.png"].axes
     assert ax.get_xlim() == (0.0, 100.0)
     labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert labels == [
-        "sgd",
-        "affine (average of 32; seed 2 diverged)",
+    assert labels == [  # in words (continual_report.label_words)
+        "SGD",
+        "affine, posterior as prior (average of 32; seed 2 diverged)",
         "lost (diverged on every seed)",
     ]
     dots = [line for line in ax.get_lines() if line.get_marker() == "o"]
