@@ -45,6 +45,8 @@ clipped at τ times FROMP's clip.
 none); ``restart_optimizer = true`` restarts a baseline optimizer's state (Adam's moments and
 step count) at every task boundary, as FROMP's code does; ``drop_last = false`` trains on the
 last partial minibatch of every pass too (as a torch ``DataLoader`` does by default).
+``[model] init``: ``"truncated_normal"`` (the default) or ``"torch"``, ``nn.Linear``'s own
+(:data:`experiments.models.INITS`).
 
 ``[stream] validation = V`` > 0 holds out V examples of the dataset's training set (drawn
 with ``validation_seed``, :func:`experiments.data.validation_split`): the tasks are built from
@@ -96,7 +98,7 @@ from experiments.data import DATASETS, Dataset, check_finite, load_dataset, vali
 from experiments.evaluate import posterior_mean
 from experiments.ewc import OnlineEWC, diagonal_ggn
 from experiments.loop import DivergedError, Divergence
-from experiments.models import ACTIVATIONS, MLP
+from experiments.models import ACTIVATIONS, INITS, MLP
 from experiments.optimizers import build_optimizer, lr_factor
 from experiments.progress import Planned
 from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
@@ -121,7 +123,7 @@ SECTIONS: dict[str, dict[str, Any]] = {
         "validation": 0,  # > 0: hold out that many training examples, evaluate on them
         "validation_seed": 0,
     },
-    "model": {"widths": [100, 100], "activation": "relu"},
+    "model": {"widths": [100, 100], "activation": "relu", "init": "truncated_normal"},
     "train": {
         "epochs": COUNT,
         "batch_size": 64,
@@ -266,6 +268,8 @@ def _check_ranges(cfg: dict[str, Any]) -> None:
             f"[model].activation: unknown {cfg['model']['activation']!r}; valid: "
             f"{sorted(ACTIVATIONS)}"
         )
+    if cfg["model"]["init"] not in INITS:
+        raise ConfigError(f"[model].init: unknown {cfg['model']['init']!r}; valid: {INITS}")
     if not 0 <= cfg["train"]["warmup"] < cfg["train"]["epochs"]:
         raise ConfigError("[train].warmup must satisfy 0 <= warmup < epochs")
     train = cfg["train"]
@@ -387,7 +391,8 @@ def build(cfg: dict[str, Any]) -> Learner:
     _check_tasks(tasks, t["batch_size"], data.eval_set)
     masks = torch.stack([column_mask(task.classes, data.num_classes) for task in tasks])
     columns = torch.tensor([task.classes for task in tasks], device=device)
-    model = MLP(data.input_shape, data.num_classes, m["widths"], m["activation"]).to(device)
+    model = MLP(data.input_shape, data.num_classes, m["widths"], m["activation"], m["init"])
+    model = model.to(device)
     method = cfg["method"]
     optimizer = build_optimizer(method["optimizer"], model.parameters(), len(tasks[0].train_y))
     schedule = partial(_task_lr, epochs=t["epochs"], warmup=t["warmup"], schedule=t["schedule"])

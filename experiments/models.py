@@ -56,8 +56,14 @@ def _output_size(module: nn.Module, input_shape: Sequence[int]) -> int:
         return module(torch.zeros(1, *input_shape)).numel()
 
 
+INITS = ("truncated_normal", "torch")
+"""An MLP's initialisations: the reference's (weights N(0, 1/fan_in) truncated at ±2σ, biases
+0.05) or torch's ``nn.Linear`` default (weights and biases U(±1/√fan_in))."""
+
+
 class MLP(nn.Module):
-    """Fully connected network: flatten, then (Linear, activation) per width, then Linear."""
+    """Fully connected network: flatten, then (Linear, activation) per width, then Linear;
+    initialised as ``init`` (:data:`INITS`)."""
 
     def __init__(
         self,
@@ -65,10 +71,13 @@ class MLP(nn.Module):
         num_classes: int,
         widths: Sequence[int] = (1024, 512, 256, 256, 256),
         activation: str = "tanh",
+        init: str = "truncated_normal",
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; valid: {sorted(ACTIVATIONS)}")
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}; valid: {INITS}")
         layers: list[nn.Module] = [nn.Flatten()]
         fan_in = math.prod(input_shape)
         for width in widths:
@@ -77,7 +86,7 @@ class MLP(nn.Module):
         layers.append(nn.Linear(fan_in, num_classes))
         self.net = nn.Sequential(*layers)
         for layer in self.net:
-            if isinstance(layer, nn.Linear):
+            if isinstance(layer, nn.Linear) and init == "truncated_normal":
                 _init_(layer, bias=0.05)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -944,6 +944,26 @@ def test_the_new_train_keys_keep_the_lr_clip_the_gradient_and_restart_adam() -> 
     assert norm.item() > 0.1
 
 
+def test_the_torch_init_is_nn_linear_s_default_and_the_default_is_the_reference_s() -> None:
+    """``init = "torch"``: weights and biases within ±1/√fan_in (uniform, as nn.Linear's own);
+    the default: biases 0.05 and weights N(0, 1/fan_in) truncated at ±2σ."""
+    torch.manual_seed(0)
+    theirs = continual.MLP((1, 28, 28), 10, [100, 100], "relu", "torch")
+    torch.manual_seed(0)
+    ours = continual.MLP((1, 28, 28), 10, [100, 100], "relu")
+    for mine, other in zip(ours.net, theirs.net, strict=True):
+        if not isinstance(mine, nn.Linear):
+            continue
+        bound = 1 / math.sqrt(mine.in_features)
+        assert float(other.weight.abs().max()) <= bound and float(other.bias.abs().max()) <= bound
+        assert float(other.weight.std()) == pytest.approx(bound / math.sqrt(3), rel=0.1)
+        assert torch.all(mine.bias == 0.05)
+        assert float(mine.weight.abs().max()) <= 2 * bound
+        assert float(mine.weight.std()) == pytest.approx(0.88 * bound, rel=0.1)  # truncated
+    with pytest.raises(ConfigError, match=r"\[model\].init: unknown 'xavier'"):
+        continual.run_configs(smoke(model={"init": "xavier"}))
+
+
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_a_pass_sees_every_example_once_and_the_partial_batch_unless_dropped(
     drop_last: bool, monkeypatch: pytest.MonkeyPatch
