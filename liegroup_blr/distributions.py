@@ -4,8 +4,9 @@ A base distribution is any scalar :class:`torch.distributions.Distribution`; its
 used elementwise (i.i.d. per coordinate). This module adds the two the method needs beyond
 ``torch.distributions`` (:class:`Rayleigh`, :class:`Dirac`), the one registry of what the
 library knows of a family (:class:`BaseFamily`, :func:`register_base`: its in-place sampler,
-Fisher informations, centre, KL and the parameters a file stores), a registry of names, and
-:func:`sample_into`, which fills a tensor in place from an explicit generator.
+Fisher informations, centre, KL, the parameters a file stores and the name
+:func:`from_name` builds it by), and :func:`sample_into`, which fills a tensor in place from
+an explicit generator.
 """
 
 from __future__ import annotations
