@@ -83,7 +83,6 @@ from torch.nn.functional import cross_entropy, log_softmax, softmax
 
 from . import posterior_io
 from .memory import (
-    _coordinate_variance,
     _evaluating,
     _jacobian_ready,
     _posterior,
@@ -748,7 +747,8 @@ def _posterior_variances(
                 f"posterior: entry {key!r} is no parameter of the model's shape; pass the "
                 "posterior of this model's parameters"
             )
-        variances[name] = (_coordinate_variance(entry) / tau).to(named[name])
+        variance = entry.group.coordinate_variance(entry.element, entry.base)
+        variances[name] = (variance / tau).to(named[name])
     return variances
 
 

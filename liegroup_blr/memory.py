@@ -543,7 +543,9 @@ def _moments(
             order = list(named)
             names = {k: order[k] if isinstance(k, int) else k for k in post}
             params = {names[k]: named[names[k]].detach().clone() for k in post}
-        variances = {names[k]: _coordinate_variance(e) for k, e in post.items()}
+        variances = {
+            names[k]: e.group.coordinate_variance(e.element, e.base) for k, e in post.items()
+        }
         batch = jacobian_batch(model, params, variances, cross_class)
     else:
         if generator is None:
@@ -553,11 +555,6 @@ def _moments(
     for start in range(0, len(inputs), batch_size):
         rows = slice(start, start + batch_size)
         yield rows, *batch(inputs[rows].to(device))
-
-
-def _coordinate_variance(entry: PosteriorEntry) -> Tensor:
-    """Var θ per coordinate (:meth:`~liegroup_blr.groups.LieGroup.coordinate_variance`)."""
-    return entry.group.coordinate_variance(entry.element, entry.base)
 
 
 def _samples_batch(

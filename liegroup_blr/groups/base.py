@@ -223,8 +223,9 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         .. math:: \operatorname{Var}\theta_i = \operatorname{Var}\xi
                   \sum_j \big(\partial\theta_i/\partial\xi_j\big)^2
 
-        at ξ = E ξ, by ``torch.func`` (one ``jvp`` per base part for an :attr:`elementwise`
-        group, whose Jacobian is diagonal per part; the whole Jacobian otherwise).
+        at ξ = E ξ (0 where the base has no finite mean), by ``torch.func`` (one ``jvp`` per
+        base part for an :attr:`elementwise` group, whose Jacobian is diagonal per part; the
+        whole Jacobian otherwise).
 
         Raises:
             ValueError: a group that does not act coordinatewise, whose Jacobian would have
@@ -232,8 +233,7 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         """
         shape = self.param_shape(g.shape)
         base_shape = self.base_shape(shape)
-        mean = float(base.mean)
-        xi = g.new_full(base_shape, mean if math.isfinite(mean) else 0.0)
+        xi = g.new_full(base_shape, _centre(base))
 
         def theta(x: Tensor) -> Tensor:
             return self.readout(self.act(g, x))
@@ -352,6 +352,15 @@ class LieGroup(geoopt.Manifold, abc.ABC):
         except ValueError as err:
             return False, f"{name}: {err}"
         return True, None
+
+
+def _centre(base: Distribution) -> float:
+    """E ξ, or 0 for a base whose mean is undefined (Cauchy) or not implemented."""
+    try:
+        mean = float(base.mean)
+    except NotImplementedError:
+        return 0.0
+    return mean if math.isfinite(mean) else 0.0
 
 
 _GROUPS: dict[str, type[LieGroup]] = {}

@@ -228,6 +228,21 @@ def test_memory_maps_of_the_new_group_equal_the_affine_group_s_on_the_same_law()
     assert sampled.scores.shape == ours.scores.shape and bool(torch.isfinite(sampled.scores).all())
 
 
+def test_the_default_coordinate_variance_differentiates_the_action() -> None:
+    """Var θ = A² Var ξ for θ = A ⊙ ξ, also for a base whose mean is not implemented (the
+    action is linear: the point it is differentiated at does not matter)."""
+
+    class NoMean(Logistic):
+        @property
+        def mean(self) -> Tensor:
+            raise NotImplementedError
+
+    A = torch.rand(2, 3, dtype=F64) + 0.5
+    for base in (Logistic(0.5, 2.0), NoMean(0.5, 2.0)):
+        var = 4 * math.pi**2 / 3
+        torch.testing.assert_close(Scaling().coordinate_variance(A, base), A.square() * var)
+
+
 def test_a_file_of_the_new_group_and_base_loads_without_passing_them(tmp_path: Path) -> None:
     g = torch.rand(2, 3, dtype=F64) + 0.5
     post = Posterior({"w": PosteriorEntry(g, Scaling(), Logistic(0.5, 2.0), torch.Size((2, 3)))})
