@@ -161,7 +161,7 @@ def from_name(name: str, scale: float | None = None, **options: float) -> Distri
         if scale is not None:
             raise ValueError("scale: 'dirac' has no scale; pass value=... for its location")
         return Dirac(options.pop("value", 0.0), **options)  # type: ignore[arg-type]
-    family = next((f for f in _FAMILIES.values() if f.name == key and f.build), None)
+    family = next((f for f in _FAMILIES.values() if f.name == key), None)
     if family is None or family.build is None:
         raise ValueError(f"name: unknown base distribution {name!r}; valid names: {NAMES}")
     scale = 1.0 if scale is None else float(scale)
@@ -431,6 +431,8 @@ class BaseFamily:
 
 
 _FAMILIES: dict[type[Distribution], BaseFamily] = {}
+_NEAREST: dict[type[Distribution], BaseFamily | None] = {}
+"""Each class's nearest registered family, found once (cleared by :func:`register_base`)."""
 
 
 def register_base(cls: type[Distribution], params: tuple[str, ...], **facts: Any) -> BaseFamily:
@@ -459,6 +461,7 @@ def register_base(cls: type[Distribution], params: tuple[str, ...], **facts: Any
         facts["name"] = str(facts["name"]).lower()  # from_name matches lowercase names
     family = BaseFamily(params, **facts)
     _FAMILIES[cls] = family
+    _NEAREST.clear()
     return family
 
 
@@ -467,13 +470,12 @@ def base_family(base: Distribution, exact: bool = False) -> BaseFamily | None:
     nearest registered ancestor's (a subclass keeps its parent's sampler and Fisher
     information; a file and a closed-form KL need the class itself, which may change the
     density)."""
+    kind = type(base)
     if exact:
-        return _FAMILIES.get(type(base))
-    for cls in type(base).__mro__:
-        family = _FAMILIES.get(cls)
-        if family is not None:
-            return family
-    return None
+        return _FAMILIES.get(kind)
+    if kind not in _NEAREST:
+        _NEAREST[kind] = next((_FAMILIES[c] for c in kind.__mro__ if c in _FAMILIES), None)
+    return _NEAREST[kind]
 
 
 def registered(name: str) -> type[Distribution] | None:
