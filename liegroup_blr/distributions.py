@@ -262,7 +262,8 @@ def sample_each(
     ``sample`` under a global RNG seeded from ``generator`` and then restored, so every draw
     is reproducible from ``generator``'s state.
     """
-    family = base_family(base)
+    kind = type(base)
+    family = _NEAREST[kind] if kind in _NEAREST else base_family(base)  # a step's one lookup
     fill = _fill_other if family is None or family.fill is None else family.fill
     fill(base, outs, generator)
     return outs

@@ -100,7 +100,7 @@ def counted(totals: dict[str, int]) -> Iterator[None]:
 def memory(opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this process holds: state, scratch buffers, noise tables (local shards only)."""
     if isinstance(opt, lgb.optim.BLROptimizer):
-        return opt.memory()
+        return opt.footprint()
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"state": sum(t.nbytes for t in state)}
 

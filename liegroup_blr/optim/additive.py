@@ -75,7 +75,7 @@ class AdditiveBLR(BLROptimizer):
         mc_samples: S ≥ 1.
         weight_decay: w ≥ 0, L2 as ``torch.optim.SGD``'s: adds w·θ to each sample's gradient
             (the prior N(0, 1/(wN)), δ = wN); the default of the param-group key.
-        point_estimate: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
+        point_at: ``"g"`` (m) or ``"mean"`` (m + E[ξ]).
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
@@ -91,7 +91,7 @@ class AdditiveBLR(BLROptimizer):
         prior_precision: float = 0.0,
         mc_samples: int = 1,
         weight_decay: float = 0.0,
-        point_estimate: str = "g",
+        point_at: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
         required(
@@ -112,9 +112,7 @@ class AdditiveBLR(BLROptimizer):
             weight_decay=weight_decay,
         )
         rule = AdditiveRule(AdditiveGroup())
-        super().__init__(
-            params, defaults, rule, mc_samples=mc_samples, point_estimate=point_estimate, **engine
-        )
+        super().__init__(params, defaults, rule, mc_samples=mc_samples, point_at=point_at, **engine)
 
 
 class AdditiveRule(Rule):
@@ -131,11 +129,13 @@ class AdditiveRule(Rule):
     def accumulate(self, group, t, noise, grads, first) -> None:
         additive_accumulate(t.accs, grads, first=first)
 
-    def propose(self, group, t, n, sample, offset, draw) -> Proposal:
+    def propose(self, group, t, n, sample, offset, draw_next) -> Proposal:
         grads = None if sample is None else sample[1]
         prior = offset if isinstance(offset, list) else None  # the entropy's is 0: constant
         beta, lr, c = group["momentum"], group["lr"], self.compile
-        return additive(t, grads, n=n, beta=beta, lr=lr, offset=prior, draw=draw, compile=c)
+        return additive(
+            t, grads, n=n, beta=beta, lr=lr, offset=prior, draw_next=draw_next, compile=c
+        )
 
     def write_point(self, group, params, elements, mean) -> None:
         additive_readout_(params, elements, mean=mean)
@@ -168,7 +168,7 @@ def additive_move(m: Tensor, mom: Tensor, lr: float | Tensor) -> Tensor:
 
 
 def additive_readout(m: Tensor, mean: float | None) -> Tensor:
-    """The point estimate m (m + E[ξ] under ``point_estimate="mean"``)."""
+    """The point estimate m (m + E[ξ] under ``point_at="mean"``)."""
     return m if mean is None else m + mean
 
 
@@ -244,11 +244,11 @@ def additive_update(
     beta: float,
     lr: Tensor,
     mean: float | None,
-    draw: bool = False,
+    draw_next: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas, one loop per parameter under ``torch.compile``: the
     new momentum into ``accs``, the moved element into ``spares``, θ into ``params`` (the
-    point estimate; with ``draw``, the next sample m' + ξ', ξ' read from the accumulator
+    point estimate; with ``draw_next``, the next sample m' + ξ', ξ' read from the accumulator
     of a one-sample step and kept in ``noise``); returns each new momentum's sum (not
     finite if any entry is not)."""
     sums = []
@@ -258,7 +258,7 @@ def additive_update(
         c = 0.0 if offset is None else offset[i]
         new = momentum(acc if grads is None else grads[i], m, n=n, beta=beta, offset=c)
         moved = additive_move(g, new, lr)
-        if draw:  # ξ' read from the accumulator before the new momentum is written there
+        if draw_next:  # ξ' read from the accumulator before the new momentum is written there
             noise[i].copy_(acc)  # (through a clone, inductor read acc after its overwrite)
             p.copy_(moved + noise[i])
         else:
@@ -277,13 +277,13 @@ def additive(
     beta: float,
     lr: float,
     offset: list[Tensor] | None,
-    draw: bool,
+    draw_next: bool,
     compile: bool,
 ) -> Proposal:
     """The additive rule's update of a param group from its accumulators (``n`` samples) or
     the ``grads`` of its one deferred sample, with a prior's ``offset`` of the algebra
     gradient: eager, in place, or as one compiled kernel per parameter into the spares
-    (which also draws the next sample with ``draw``)."""
+    (which also draws the next sample with ``draw_next``)."""
     if not compile:
         additive_momentum_(t.accs, t.momenta, n=n, beta=beta, grads=grads, offset=offset)
         return Proposal(t.accs, commit=partial(_additive_commit, t, lr=lr))
@@ -301,6 +301,6 @@ def additive(
         beta=beta,
         lr=rate,
         mean=t.mean,
-        draw=draw,
+        draw_next=draw_next,
     )
     return Proposal(t.accs, sums)

@@ -134,7 +134,7 @@ class AffineBLR(BLROptimizer):
             default 0.03 (``SCALE_STEP``) when ``scale_lr`` is not given.
         weight_decay: w ≥ 0, L2 as ``torch.optim.SGD``'s: adds w·θ to each sample's gradient
             (the prior N(0, 1/(wN)), δ = wN); the default of the param-group key.
-        point_estimate: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
+        point_at: ``"g"`` (b) or ``"mean"`` (b + A·E[ξ]).
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
@@ -154,7 +154,7 @@ class AffineBLR(BLROptimizer):
         init_scale: float | None = None,
         scale_step: float | None = None,
         weight_decay: float = 0.0,
-        point_estimate: str = "g",
+        point_at: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
         required(
@@ -192,7 +192,7 @@ class AffineBLR(BLROptimizer):
             defaults,
             AffineRule(DiagonalAffineGroup()),
             mc_samples=mc_samples,
-            point_estimate=point_estimate,
+            point_at=point_at,
             **engine,
         )
 
@@ -293,12 +293,12 @@ class AffineRule(Rule):
     def accumulate(self, group, t, noise, grads, first) -> None:
         affine_accumulate(t.accs, noise, grads, first=first)
 
-    def propose(self, group, t, n, sample, offset, draw) -> Proposal:
+    def propose(self, group, t, n, sample, offset, draw_next) -> Proposal:
         scale_lr, growth = self.scale_steps(group)
         return affine(
             t,
             sample,
-            draw=draw,
+            draw_next=draw_next,
             n=n,
             betas=(group["scale_momentum"], group["momentum"]),
             offset=offset,
@@ -338,7 +338,7 @@ def affine_move(
 
 
 def affine_readout(A: Tensor, b: Tensor, mean: float | None) -> Tensor:
-    """The point estimate b (b + A·E[ξ] under ``point_estimate="mean"``)."""
+    """The point estimate b (b + A·E[ξ] under ``point_at="mean"``)."""
     return b if mean is None else b + A * mean
 
 
@@ -452,11 +452,11 @@ def affine_update(
     scale_lr: Tensor,
     growth: Tensor,
     mean: float | None,
-    draw: bool = False,
+    draw_next: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas over the rows (A, b) of each tensor, one loop per
     parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
-    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw_next``, the next sample
     A'ξ' + b', ξ' read from the accumulator's first row in a one-sample step and kept in
     ``noise``, the step's ξ read from ``noise``), from the accumulators or a deferred
     ``sample`` (ξ, ∇ℓ̄_δ); returns each new momentum's sum (not finite if any entry is not)."""
@@ -468,12 +468,12 @@ def affine_update(
             x_u, x_v = acc[0] * g[0], acc[1] * g[0]
         else:
             x_v = g[0] * sample[1][i]
-            x_u = x_v * (noise[i] if draw else sample[0][i])
+            x_u = x_v * (noise[i] if draw_next else sample[0][i])
         c = (offset, 0.0) if isinstance(offset, float) else offset[i]
         u = momentum(x_u, m[0], n=n, beta=betas[0], offset=c[0])
         v = momentum(x_v, m[1], n=n, beta=betas[1], offset=c[1])
         A, b = affine_move(g, u, v, lr, scale_lr, growth)
-        if draw:  # ξ' read from the accumulator before the new momentum is written there
+        if draw_next:  # ξ' read from the accumulator before the new momentum is written there
             xi = acc[0].clone()
             p.copy_(A * xi + b)
             noise[i].copy_(xi)
@@ -490,7 +490,7 @@ def affine(
     t: GroupTensors,
     sample: SampleGrads | None,
     *,
-    draw: bool,
+    draw_next: bool,
     n: int,
     betas: tuple[float, float],
     offset: float | list[Tensor],
@@ -501,7 +501,7 @@ def affine(
 ) -> Proposal:
     """The affine rule's update of a param group from its accumulators (``n`` samples) or
     its one deferred ``sample`` (ξ, ∇ℓ̄_δ): eager, in place, or as one compiled kernel per
-    parameter into the spares (which also draws the next sample with ``draw``)."""
+    parameter into the spares (which also draws the next sample with ``draw_next``)."""
     if not compile:
         affine_momentum_(
             t.accs, t.momenta, t.elements, n=n, betas=betas, offset=offset, sample=sample
@@ -521,6 +521,6 @@ def affine(
         scale_lr=torch.tensor(scale_lr, dtype=dtype),
         growth=torch.tensor(growth, dtype=dtype),
         mean=t.mean,
-        draw=draw,
+        draw_next=draw_next,
     )
     return Proposal(t.accs, sums)

@@ -4,10 +4,12 @@ It keeps what ``torch.optim`` users meet: param groups and each trained paramete
 ``{"element", "momentum"}`` (in float32 for half-precision parameters), ``step``, the sample
 protocol (``draw``, ``accumulate``, ``discard``), the blocks that hold a sample or the point
 estimate, ``posterior()`` and the prior, state dicts that resume bit for bit. It composes the
-rest: the rule's arithmetic (:class:`~.rule.Rule`), the Monte-Carlo loop that runs it
-(:class:`~.engine.Engine`, with the noise source, the holding, the scratch buffers and the
-sharded parameters), the adoption of writes made outside it (:class:`~.writes.Writes`), and
-``torch.amp.GradScaler`` unscaling (:mod:`~.amp`).
+rest: the rule's arithmetic (:class:`~.rule.Rule`), the Monte-Carlo loop that runs it and owns
+a step's state (:class:`~.engine.Engine`, with the noise source, the holding, the scratch
+buffers and the sharded parameters; only its own operations are called here), the adoption
+of writes made outside it (:class:`~.writes.Writes`, wrapped around every public method by
+:func:`~.writes.adopts_writes`), and ``torch.amp.GradScaler`` unscaling (:mod:`~.amp`). What
+it keeps itself is the block it is inside (:class:`Block`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 import torch
@@ -33,20 +36,21 @@ from .amp import scaler_step
 from .checks import check_choice, check_count, check_hyperparameters, check_number
 from .distributed import broadcast_elements, replicas, shared_seed
 from .engine import ENGINE_KEYS, Engine
-from .holding import holding
+from .holding import HOLDINGS
 from .prior import check_next_prior, check_strength, prior_for, task_reset
 from .rule import Rule
-from .scratch import state_dtype
+from .saved import check_saved_shapes, load_states
 from .tensors import Sample
-from .writes import Writes
+from .writes import Writes, adopts_writes
 
 __all__ = ["BLROptimizer"]
 
 Loss = TypeVar("Loss", bound=float | Tensor | None)
 """What a closure returns, and :meth:`BLROptimizer.step` with it."""
 
-POINT_ESTIMATES = ("g", "mean")
-"""Where the point estimate is read: at the group's reference point ξ₀, or at E[ξ]."""
+POINT_AT = ("g", "mean")
+"""Where the point estimate is read (``point_at``): at the group's reference point ξ₀, or at
+E[ξ]."""
 
 
 GROUP_KEYS = ("lr", "momentum", "base", "data_size", "temperature", "prior_precision")
@@ -66,6 +70,21 @@ def optimizer_repr(optimizer: Optimizer) -> str:
     return text + ")"
 
 
+@dataclass
+class Block:
+    """The block an optimizer is inside, in one object its wrappers share (a wrapper that
+    copies the optimizer's ``__dict__``, as Lightning's does, shares it).
+
+    Attributes:
+        name: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
+        kept: inside a ``point_estimate`` block, what each parameter (its local tensor) holds
+            after it.
+    """
+
+    name: str = ""
+    kept: dict[Tensor, Tensor] = field(default_factory=dict)
+
+
 class BLROptimizer(Optimizer):
     r"""The torch optimizer of a Lie-group rule: param groups, state, step and state dicts.
 
@@ -74,7 +93,7 @@ class BLROptimizer(Optimizer):
     ``between_steps="sample"``, a sample). The sample protocol (:meth:`draw`,
     :meth:`accumulate`, :meth:`restore`, :attr:`pending_samples`) is what
     :func:`~liegroup_blr.mc.mc_step` and custom loops use. The keyword-only arguments after
-    ``point_estimate`` are the engine's options, :class:`~liegroup_blr.optim.EngineOptions`.
+    ``point_at`` are the engine's options, :class:`~liegroup_blr.optim.EngineOptions`.
     The rules' classes (:class:`~liegroup_blr.AdditiveBLR`, …) compose their
     :class:`~liegroup_blr.optim.rule.Rule` with it; a new rule is a ``Rule`` passed here.
 
@@ -84,7 +103,10 @@ class BLROptimizer(Optimizer):
             ``temperature``, ``prior_precision`` and the rule's own).
         rule: the rule's arithmetic, on its Lie group.
         mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
-        point_estimate: ``"g"`` (read at ξ₀ of the group) or ``"mean"`` (at E[ξ]).
+        point_at: where the point estimate is read, :data:`POINT_AT`: ``"g"`` (at ξ₀ of the
+            group) or ``"mean"`` (at E[ξ]).
+        point_estimate: deprecated, ``point_at`` (the name of the block
+            :meth:`point_estimate`); taken with a DeprecationWarning for one release.
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step(opt) drives step(): see amp.py
@@ -97,7 +119,7 @@ class BLROptimizer(Optimizer):
         rule: Rule,
         *,
         mc_samples: int = 1,
-        point_estimate: str = "g",
+        point_at: str = "g",
         between_steps: str = "point",
         seed: int | None = None,
         noise: str | NoiseSource = "fresh",
@@ -108,17 +130,25 @@ class BLROptimizer(Optimizer):
         grad_scaler: torch.amp.GradScaler | None = None,
         max_consecutive_skips: int | None = 20,
         prior: Posterior | None = None,
+        point_estimate: str | None = None,
     ) -> None:
+        if point_estimate is not None:
+            warn(
+                f"{type(self).__name__}(point_estimate=...) is now point_at=...: the old "
+                "keyword goes in the next release",
+                DeprecationWarning,
+            )
+            point_at = point_estimate
         if not isinstance(rule, Rule) or not isinstance(rule.lie_group, LieGroup):
             raise ValueError(
                 f"rule: expected a liegroup_blr.optim.rule.Rule on a LieGroup, got {rule!r}"
             )
         check_count("mc_samples", mc_samples)
-        check_choice("point_estimate", point_estimate, POINT_ESTIMATES)
+        check_choice("point_at", point_at, POINT_AT)
         if max_consecutive_skips is not None:
             check_count("max_consecutive_skips", max_consecutive_skips)
+        check_choice("between_steps", between_steps, tuple(HOLDINGS))
         self.between_steps = between_steps
-        holds = holding(between_steps)
         replicated = replicas(process_group)
         source = noise_source(noise, antithetic=antithetic, table_size=table_size)
         rank = 0 if process_group is None else dist.get_rank(process_group)
@@ -129,24 +159,23 @@ class BLROptimizer(Optimizer):
             self,
             rule,
             source,
-            holds,
+            between_steps,
             mc_samples=mc_samples,
-            point_convention=point_estimate,
+            point_at=point_at,
             compile=bool(compile),
             process_group=process_group,
             grad_scaler=grad_scaler,
             max_consecutive_skips=max_consecutive_skips,
         )
         self._writes = Writes(self._engine)
-        self._engine.on_abandon = self._writes.mark
+        self._block = Block()
         super().__init__(params, defaults)
         if process_group is not None or replicated is not None:
             broadcast_elements(self.state, process_group if replicated is None else replicated)
             self._engine.write_points()
-        self._engine.fresh_gradients()  # gradients from before construction are nobody's
         if prior is not None:
             self.set_prior(prior)
-        holds.between_steps(self._engine)
+        self._engine.start()  # gradients from before construction are nobody's
         self._writes.mark()
 
     # ------------------------------------------------------------- options
@@ -166,9 +195,18 @@ class BLROptimizer(Optimizer):
         return self._engine.mc_samples
 
     @property
-    def point_convention(self) -> str:
+    def point_at(self) -> str:
         """Where the point estimate is read: ``"g"`` (at ξ₀) or ``"mean"`` (at E[ξ])."""
-        return self._engine.point_convention
+        return self._engine.point_at
+
+    @property
+    def point_convention(self) -> str:
+        """Deprecated: :attr:`point_at`."""
+        warn(
+            "point_convention is now point_at: the old name goes in the next release",
+            DeprecationWarning,
+        )
+        return self._engine.point_at
 
     @property
     def compile(self) -> bool:
@@ -214,8 +252,8 @@ class BLROptimizer(Optimizer):
         check_hyperparameters(
             options,
             G,
-            antithetic=self._engine.noise.needs_symmetric_base,
-            point_estimate=self._engine.point_convention,
+            antithetic=self.noise_source.needs_symmetric_base,
+            point_at=self.point_at,
         )
         self._rule.validate(options)
 
@@ -223,8 +261,9 @@ class BLROptimizer(Optimizer):
     def holds_samples(self) -> bool:
         """Whether the parameters hold a posterior sample between steps
         (``between_steps="sample"``) rather than the point estimate."""
-        return self._engine.holding.samples
+        return self._engine.holds_samples
 
+    @adopts_writes(take=False)
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, validate its hyperparameters and initialise the state of its
         trained parameters (a parameter frozen now gets its state when first trained); with
@@ -233,23 +272,16 @@ class BLROptimizer(Optimizer):
         self._validate({**self.defaults, **options})
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        engine = self._engine
         for p in group["params"]:
             try:
                 if not p.is_floating_point():
                     raise ValueError(f"params: only floating-point parameters, got {p.dtype}")
-                engine.shards.admit(p, self._rule.group_of(group), engine.process_group)
+                self._engine.admit(p, self._rule.group_of(group))
             except ValueError:
                 self.param_groups.pop()
                 raise
-        engine.forget_tensors()
-        trained = [p for p in group["params"] if p.requires_grad]
-        if trained:
-            engine.init_states(group, trained)
-        if engine.holding.resident is not None:  # the new parameters join the held sample
-            engine.holding.between_steps(engine)
+        self._engine.join(group)
         self._rule.setup(group)
-        self._writes.mark()
 
     def _describe(self, group: dict[str, Any]) -> str:
         """What a param group's state means: the rule and its Lie group."""
@@ -269,9 +301,10 @@ class BLROptimizer(Optimizer):
     @property
     def pending_samples(self) -> int:
         """Samples accumulated since the last update."""
-        return self._engine.status.samples
+        return self._engine.pending
 
     @torch.no_grad()
+    @adopts_writes()
     def draw(self, train: bool = True) -> Sample:
         """Write a posterior sample θ = readout(g·ξ) into every trained parameter.
 
@@ -279,12 +312,10 @@ class BLROptimizer(Optimizer):
         it); pass the result to :meth:`accumulate` once its gradients are known. Drawn for
         prediction (``train=False``), ξ comes from the optimizer's prediction generators.
         """
-        self._writes.take()
-        sample = self._engine.draw_sample(train)
-        self._writes.mark()
-        return sample
+        return self._engine.draw(train)
 
     @torch.no_grad()
+    @adopts_writes()
     def accumulate(
         self, sample: Sample, grads: list[Tensor | None] | None = None, *, defer: bool = False
     ) -> None:
@@ -302,10 +333,10 @@ class BLROptimizer(Optimizer):
                 and :func:`~liegroup_blr.mc.mc_step` do. A gradient changed in place before
                 it is read raises ``RuntimeError``.
         """
-        self._engine.accumulate_sample(sample, grads, defer)
-        self._engine.fresh_gradients()  # the engine has seen them: not made outside a step
+        self._engine.accumulate(sample, grads, defer)
 
     @torch.no_grad()
+    @adopts_writes()
     def discard(self) -> None:
         """Abandon the pending samples: nothing is accumulated, and the parameters hold the
         point estimates again (between_steps="sample": a fresh sample); gradients left by
@@ -314,6 +345,7 @@ class BLROptimizer(Optimizer):
 
     # ------------------------------------------------------------ holding blocks
     @contextmanager
+    @adopts_writes()
     def sampled_params(self, train: bool = False) -> Iterator[None]:
         """Hold one posterior sample θ = readout(g·ξ) in the parameters for the block.
 
@@ -324,71 +356,56 @@ class BLROptimizer(Optimizer):
         the point estimate, or with ``between_steps="sample"`` the training sample (and
         ``train=True`` is refused there: the parameters already hold a training sample).
         """
-        engine, status = self._engine, self._engine.status
-        if status.block:
-            raise RuntimeError(f"sampled_params() cannot be nested inside {status.block}()")
-        if train:
-            engine.holding.check_training_block()
-        self._writes.take()
-        status.block = "sampled_params"
+        block = self._block
+        if block.name:
+            raise RuntimeError(f"sampled_params() cannot be nested inside {block.name}()")
+        block.name = "sampled_params"
         try:
-            with engine.holding.keeping():
-                sample = engine.draw_sample(train)
+            with self._engine.sampled(train):
                 yield
-                if train:
-                    self.accumulate(sample, defer=True)
         finally:
-            status.block = ""
-            if not status.samples:
-                engine.forget_tensors()  # parameters may be frozen before the next step
-            if engine.holding.resident is None:
-                engine.write_points()
-            self._writes.mark()
+            block.name = ""
 
     @contextmanager
+    @adopts_writes()
     def point_estimate(self) -> Iterator[None]:
-        """Hold the point estimate (``point_estimate="g"``: at ξ₀; ``"mean"``: at E[ξ]) in every
+        """Hold the point estimate (``point_at="g"``: at ξ₀; ``"mean"``: at E[ξ]) in every
         parameter the optimizer has trained (frozen ones too) for the block, whatever they hold
         between steps; on exit they hold what they held before (with ``between_steps="sample"``, the
         training sample), or what a :meth:`restore` or :meth:`load_state_dict` inside the block
         wrote (the block holds the new point estimate after it)."""
-        status = self._engine.status
-        if status.block:
-            raise RuntimeError(f"point_estimate() cannot be nested inside {status.block}()")
-        self._writes.take()
-        status.block = "point_estimate"
+        block = self._block
+        if block.name:
+            raise RuntimeError(f"point_estimate() cannot be nested inside {block.name}()")
+        block.name = "point_estimate"
         try:
             self._hold_point(frozen=True)
             yield
         finally:
-            status.block = ""
-            kept, status.kept = status.kept, {}
+            block.name = ""
+            kept, block.kept = block.kept, {}
             with torch.no_grad():
                 torch._foreach_copy_(list(kept), list(kept.values()))
-            self._writes.mark()
 
     @torch.no_grad()
     def _hold_point(self, frozen: bool) -> None:
         """Inside a ``point_estimate`` block: keep what the trained parameters (``frozen``:
         also those frozen since) hold now, for its end, and write the point estimates."""
-        status = self._engine.status
-        if status.block != "point_estimate":
+        if self._block.name != "point_estimate":
             return
         params = [p for p in self._params() if p in self.state and (frozen or p.requires_grad)]
-        status.kept.update((local(p), local(p).detach().clone()) for p in params)
+        self._block.kept.update((local(p), local(p).detach().clone()) for p in params)
         self._engine.write_points(frozen=True)
 
+    @adopts_writes()
     def restore(self, frozen: bool = False) -> None:
         """Write the point estimate into every trained parameter (``frozen``: also into those
         frozen since they were trained). With ``between_steps="sample"`` the parameters then
         hold no training sample: the next ``step(closure)`` draws one, and a closure-free
         ``step()`` refuses (its gradients would be the point estimate's). A value written into
         a parameter since the optimizer's last call is adopted first: it is the point."""
-        self._writes.take()
-        self._engine.write_points(frozen)
-        self._engine.holding.forget()
+        self._engine.restore(frozen)
         self._hold_point(frozen)
-        self._writes.mark()
 
     # ------------------------------------------------------------------- step
     @overload
@@ -398,6 +415,7 @@ class BLROptimizer(Optimizer):
     def step(self, closure: Callable[[], Loss]) -> Loss: ...
 
     @torch.no_grad()
+    @adopts_writes()
     def step(self, closure: Callable[[], Loss] | None = None) -> Loss | None:
         """One update of every group element.
 
@@ -426,9 +444,8 @@ class BLROptimizer(Optimizer):
         (the scaler backs off) and the loss scale is taken off the gradients.
         """
         engine = self._engine
-        if engine.status.block:
-            raise RuntimeError(f"step() cannot be called inside {engine.status.block}()")
-        self._writes.take()
+        if self._block.name:
+            raise RuntimeError(f"step() cannot be called inside {self._block.name}()")
         if engine.grad_scaler is None and not {"grad_scale", "found_inf"} & vars(self).keys():
             inv_scale, found_inf = 1.0, False  # no GradScaler anywhere (and no call to amp)
         else:
@@ -436,29 +453,29 @@ class BLROptimizer(Optimizer):
         loss = None
         if closure is not None:
             loss = engine.closure_samples(closure)
-        elif not engine.status.samples:
-            engine.holding.read(engine)
+        else:
+            engine.read_gradients()
         finite = not isinstance(loss, (Tensor, float)) or bool(
             torch.as_tensor(loss).isfinite().all()
         )
         error = engine.update(finite, inv_scale, found_inf)
-        self._writes.mark()
         if error is not None:
             raise error
         return loss
 
     # ------------------------------------------------------------ elements
+    @adopts_writes()
     def group_element(self, p: Tensor) -> dict[str, Tensor]:
         """Named components of ``p``'s current group element (detached copies):
         ``{'m'}`` additive, ``{'g+', 'g-'}`` multiplicative, ``{'A', 'b'}`` affine, ``{'g'}``
         for groups without named parts. Of a sharded parameter, DTensors placed as ``p``
         (a stacked component keeps ``p``'s placements shifted past its leading axis)."""
-        self._writes.take()
         group = self._param_group(p)
         parts = self._rule.group_of(group).parts(self.state[p]["element"])
-        return self._engine.shards.placed({k: v.detach().clone() for k, v in parts.items()}, p)
+        return self._engine.placed({k: v.detach().clone() for k, v in parts.items()}, p)
 
     @torch.no_grad()
+    @adopts_writes(take=False)
     def set_group_element(self, p: Tensor, element: Tensor) -> None:
         """Replace ``p``'s group element (shape ``group.element_shape(p.shape)``: of a sharded
         parameter, a DTensor as :meth:`group_element` places its parts, or its local shard)
@@ -467,7 +484,7 @@ class BLROptimizer(Optimizer):
         if "element" not in self.state.get(p, {}):
             self._engine.init_states(group, [p])
         state = self.state[p]
-        element = self._engine.shards.local_like(element, state["element"], p)
+        element = self._engine.local_like(element, state["element"], p)
         if element.shape != state["element"].shape:
             raise ValueError(f"element: expected shape {tuple(state['element'].shape)}")
         ok, reason = self._rule.group_of(group).check_element(element)
@@ -476,15 +493,21 @@ class BLROptimizer(Optimizer):
         state["element"].copy_(element)
         mean = self._engine.point_mean(group)
         self._rule.write_point(group, [local(p)], [state["element"]], mean)
-        self._writes.mark()
 
-    def memory(self) -> dict[str, int]:
+    def footprint(self) -> dict[str, int]:
         """Bytes this process holds: ``"state"`` (elements and momenta; of a sharded
         parameter, its shard's), ``"scratch"`` (accumulators, noise and other per-step
         buffers, made at the first step) and ``"noise"`` (noise tables, antithetic draws)."""
         state = sum(t.nbytes for s in self.state.values() for t in s.values())
-        scratch, noise = self._engine.scratch.nbytes, self._engine.noise.nbytes
-        return {"state": state, "scratch": scratch, "noise": noise}
+        return {"state": state, **self._engine.nbytes()}
+
+    def memory(self) -> dict[str, int]:
+        """Deprecated: :meth:`footprint` (\"memory\" names the memory maps and the
+        functional memory)."""
+        warn(
+            "memory() is now footprint(): the old name goes in the next release", DeprecationWarning
+        )
+        return self.footprint()
 
     @property
     def seed(self) -> int:
@@ -496,9 +519,10 @@ class BLROptimizer(Optimizer):
         """Updates skipped for non-finite values since construction (or the loaded state's):
         every skip, warned of (the first) or not (the later ones, and those a ``GradScaler``
         calibrating its scale expects)."""
-        return self._engine.status.skipped
+        return self._engine.skipped
 
     # ------------------------------------------------------- posterior and prior
+    @adopts_writes()
     def posterior(self, model: nn.Module | None = None) -> Posterior:
         """The current posterior, detached from the optimizer: per trained parameter its group
         element, group and base, keyed by ``model``'s parameter names when given, else by
@@ -512,7 +536,6 @@ class BLROptimizer(Optimizer):
         Raises:
             ValueError: ``model`` lacks one of the optimizer's parameters.
         """
-        self._writes.take()
         names = None if model is None else {id(p): n for n, p in model.named_parameters()}
         entries: dict[str | int, PosteriorEntry] = {}
         missing: list[str | int] = []
@@ -541,13 +564,14 @@ class BLROptimizer(Optimizer):
         taus, sizes = ({g.get(k) for g in self.param_groups} for k in ("temperature", "data_size"))
         return Posterior(
             entries,
-            point_estimate=self.point_convention,
+            point_estimate=self.point_at,
             missing=missing,
             size=position,
             temperature=taus.pop() if len(taus) == 1 else None,
             data_size=sizes.pop() if len(sizes) == 1 else None,
         )
 
+    @adopts_writes()
     def set_prior(
         self,
         posterior: Posterior | None,
@@ -579,20 +603,19 @@ class BLROptimizer(Optimizer):
                 largest stable ``lr`` and ``strength``.
         """
         strength = check_strength(strength)
-        if posterior is not None and self._engine.shards.mesh_param is not None:
+        if posterior is not None and self._engine.sharded:
             raise NotImplementedError(
                 "set_prior: not with sharded (DTensor, FSDP2) parameters yet; train the next "
                 "task with DistributedDataParallel, or on one process"
             )
         if posterior is None:
-            self._engine.status.prior = None
-            self._engine.status.centre = {}
+            self._engine.set_prior(None, {})
             return
         for group in self.param_groups:
             self._rule.check_prior(group, strength)
         params = self._params()
         trained = [p for p in params if p.requires_grad]
-        self._engine.status.prior = prior_for(
+        prior = prior_for(
             posterior,
             params,
             trained,
@@ -602,9 +625,10 @@ class BLROptimizer(Optimizer):
             self.mc_samples,
             strength,
         )
-        self._engine.status.centre = {}
+        self._engine.set_prior(prior, {})
 
     @torch.no_grad()
+    @adopts_writes()
     def next_task(
         self,
         data_size: float,
@@ -634,8 +658,8 @@ class BLROptimizer(Optimizer):
             NotImplementedError: ``"delta"`` with sharded (DTensor, FSDP2) parameters.
             RuntimeError: between ``sampled_params(train=True)`` blocks and ``step()``.
         """
-        strength = check_next_prior(prior, strength, self._engine.shards.mesh_param)
-        if self._engine.status.samples:
+        strength = check_next_prior(prior, strength, self._engine.sharded)
+        if self._engine.pending:
             raise RuntimeError("next_task() between sampled_params(train=True) and step()")
         resets = [task_reset(group, data_size, prior) for group in self.param_groups]
         for group, reset in zip(self.param_groups, resets, strict=True):
@@ -649,13 +673,16 @@ class BLROptimizer(Optimizer):
                 centre = {p: p.detach().clone() for p in self._params() if p in self.state}
         for group, reset in zip(self.param_groups, resets, strict=True):
             group.update(reset)
-        self.set_prior(posterior if prior == "posterior" else None, model, strength=strength)
-        self._engine.status.centre = centre
+        if prior == "posterior":
+            self.set_prior(posterior, model, strength=strength)
+        else:
+            self._engine.set_prior(None, centre)
         for state in self.state.values():
             state["momentum"].zero_()
         return posterior
 
     # ------------------------------------------------------------ state dicts
+    @adopts_writes()
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state, plus the noise generators' states (training and prediction draws),
         the skip count and the prior.
@@ -671,9 +698,8 @@ class BLROptimizer(Optimizer):
         (``"prior_strength"``).
         """
         engine = self._engine
-        if engine.status.block == "sampled_params" or engine.status.samples:
+        if self._block.name == "sampled_params" or engine.pending:
             raise RuntimeError("state_dict() between sampled_params(train=True) and step()")
-        self._writes.take()
         post_hooks = self._optimizer_state_dict_post_hooks
         self._optimizer_state_dict_post_hooks = OrderedDict()  # run on the finished dict
         try:
@@ -683,7 +709,7 @@ class BLROptimizer(Optimizer):
         params = self._params()
         for i, p in enumerate(params):  # sharded like their parameters, for DCP
             if i in sd["state"]:
-                sd["state"][i] = engine.shards.placed(sd["state"][i], p)
+                sd["state"][i] = engine.placed(sd["state"][i], p)
         for group, live in zip(sd["param_groups"], self.param_groups, strict=True):
             group.pop("base", None)
             group.pop("group", None)
@@ -708,8 +734,8 @@ class BLROptimizer(Optimizer):
                 state_dict = result
         extras = {k: state_dict.pop(k) for k in ENGINE_KEYS if k in state_dict}
         self._check_rules(state_dict["param_groups"])
-        if self._engine.shards.mesh_param is None:  # a shard's state has the shard's shape
-            check_saved_shapes(state_dict, self.param_groups, self._rule, self._engine)
+        if not self._engine.sharded:  # a shard's state has the shard's shape
+            check_saved_shapes(state_dict, self.param_groups, self._rule)
         state_dict["param_groups"] = [
             {k: v for k, v in g.items() if k != "rule"} for g in state_dict["param_groups"]
         ]
@@ -724,18 +750,12 @@ class BLROptimizer(Optimizer):
         finally:
             self._optimizer_load_state_dict_pre_hooks = hooks
             self._optimizer_load_state_dict_post_hooks = post_hooks
-        self._load_states(state_dict)
+        load_states(self.state, state_dict, self._params())
         for group, construction in zip(self.param_groups, kept, strict=True):
             group.update(construction)
-        engine = self._engine
-        engine.load_state_dict(extras, self._params())
-        engine.end_step()  # a loaded state starts between steps
-        engine.scratch.clear()
-        engine.noise.end_step()
-        self._rule.upgrade(self.param_groups)
-        engine.holding.between_steps(engine)  # the point estimate, or the saved sample again
+        self._engine.load_state_dict(extras, self._params())
         self._hold_point(frozen=False)
-        self._writes.mark()
+        self._writes.mark()  # before the post hooks: what they write is adopted at the next call
         for post_hook in post_hooks.values():
             post_hook(self)
 
@@ -748,40 +768,9 @@ class BLROptimizer(Optimizer):
                     f"optimizer's is {self._describe(live)!r}"
                 )
 
-    def _load_states(self, state_dict: dict[str, Any]) -> None:
-        """Each parameter's loaded state, local shards in the state dtype (undoing the cast
-        of torch.optim's load to the parameter's dtype)."""
-        saved = state_dict["state"]
-        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        for i, p in zip(ids, self._params(), strict=True):
-            if i in saved:
-                self.state[p] = {
-                    k: local(v).to(device=p.device, dtype=state_dtype(p))
-                    for k, v in saved[i].items()
-                }
-
     def __getstate__(self) -> dict[str, Any]:
         """Everything a copy needs to continue exactly like this optimizer (hooks and the
         process group excepted, as torch.optim leaves hooks out)."""
         state = {k: v for k, v in self.__dict__.items() if not k.endswith("_hooks")}
         state.pop("step", None)  # an lr scheduler's wrapper: it would step the original
         return state
-
-
-def check_saved_shapes(
-    state_dict: dict[str, Any], param_groups: list[dict[str, Any]], rule: Rule, engine: Engine
-) -> None:
-    """Refuse a saved state whose element does not fit its parameter here (a state dict of
-    another architecture), naming the parameter and both shapes."""
-    saved_states = state_dict.get("state", {})
-    for i, (saved, live) in enumerate(zip(state_dict["param_groups"], param_groups, strict=False)):
-        G = rule.group_of(live)
-        for key, p in zip(saved["params"], live["params"], strict=False):
-            element = saved_states.get(key, {}).get("element")
-            if element is None or element.shape == G.element_shape(p.shape):
-                continue
-            raise ValueError(
-                f"state_dict: {engine.param_name(i, p)} has shape {tuple(p.shape)} here, but "
-                f"its saved state is for shape {tuple(G.param_shape(element.shape))}: load a "
-                "state dict saved for this model's architecture"
-            )

@@ -51,7 +51,7 @@ def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def check_hyperparameters(
-    hp: dict[str, Any], group: LieGroup, *, antithetic: bool, point_estimate: str
+    hp: dict[str, Any], group: LieGroup, *, antithetic: bool, point_at: str
 ) -> None:
     """The hyperparameters every rule has: lr, momentum, temperature, prior precision,
     data size (required where the objective divides by it) and the base distribution."""
@@ -72,8 +72,8 @@ def check_hyperparameters(
             "antithetic: needs a base symmetric about its centre (Normal, Laplace, "
             f"Uniform, StudentT, Cauchy, Dirac), got {type(hp['base']).__name__}"
         )
-    if point_estimate == "mean" and not math.isfinite(float(hp["base"].mean)):
-        raise ValueError("point_estimate: 'mean' needs a base with a finite mean")
+    if point_at == "mean" and not math.isfinite(float(hp["base"].mean)):
+        raise ValueError("point_at: 'mean' needs a base with a finite mean")
 
 
 FORMER_POSITIONAL = {"data_size": None, "temperature": 1.0, "prior_precision": 0.0, "mc_samples": 1}

@@ -27,7 +27,8 @@ sharded parameters (:class:`~liegroup_blr.sharding.Shards`) and its state
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Protocol, cast
 
@@ -41,13 +42,14 @@ from ..noise import NoiseSource
 from ..sharding import Shards, local
 from .amp import Scaled, expected_skip, inverse_scale, record_finite
 from .distributed import all_reduce_accumulators, refuse_averaged
-from .holding import Holding
+from .holding import Draws, Holding, holding
 from .options import EngineState
 from .outside import GONE, Foreign
 from .prior import Prior
 from .rule import Rule
 from .scratch import Scratch, state_dtype
-from .tensors import Deferred, GroupTensors, Proposal, Sample
+from .skips import non_finite, skip_fix
+from .tensors import Deferred, GroupTensors, Proposal, Sample, Work
 
 __all__ = ["ENGINE_KEYS", "Engine", "all_finite"]
 
@@ -78,9 +80,10 @@ class Engine:
         optimizer: the optimizer whose ``param_groups`` and ``state`` it steps.
         rule: the rule's arithmetic.
         noise: the noise source.
-        holding: what the parameters hold between steps.
+        between_steps: what the parameters hold between steps (``"point"`` or
+            ``"sample"``: the holding, :mod:`~liegroup_blr.optim.holding`).
         mc_samples: S samples per step with a closure.
-        point_convention: ``"g"`` or ``"mean"`` (where the point estimate is read).
+        point_at: ``"g"`` or ``"mean"`` (where the point estimate is read).
         compile: whether updates run compiled.
         process_group: summed accumulators over these processes, if given.
         grad_scaler: a ``torch.amp.GradScaler`` whose scale the samples carry, if given.
@@ -92,10 +95,10 @@ class Engine:
         optimizer: Stepped,
         rule: Rule,
         noise: NoiseSource,
-        holding: Holding,
+        between_steps: str,
         *,
         mc_samples: int,
-        point_convention: str,
+        point_at: str,
         compile: bool,
         process_group: Any,
         grad_scaler: torch.amp.GradScaler | None,
@@ -105,9 +108,8 @@ class Engine:
         self.name = type(optimizer).__name__
         self.rule = rule
         self.noise = noise
-        self.holding = holding
         self.mc_samples = mc_samples
-        self.point_convention = point_convention
+        self.point_at = point_at
         self.compile = compile
         self.process_group = process_group
         self.grad_scaler = grad_scaler
@@ -115,14 +117,107 @@ class Engine:
         self.scratch = Scratch()
         self.status = EngineState()
         self.shards = Shards()
+        self.sharded = False
+        """Whether the parameters are sharded (DTensors)."""
         self.entropies: dict[tuple[Any, ...], Tensor] = {}  # ∇log|det J| at the identity
-        self.on_abandon: Callable[[], None] | None = None
-        """Called once an abandoned step's parameters hold what they hold between steps."""
+        draw = partial(self.draw, True, forget=True)
+        draws = Draws(noise, draw, self.write_points, self.restore_unmoved)
+        self.holding: Holding = holding(between_steps, draws)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy runs on no process group (as torch.optim leaves hooks out, it leaves the
         group out)."""
         return {**self.__dict__, "process_group": None}
+
+    # --------------------------------------------------- what the interface asks
+    def start(self) -> None:
+        """Start between steps: gradients made before are nobody's, and the parameters hold
+        what the holding holds."""
+        self.fresh_gradients()
+        self.holding.between_steps()
+
+    @property
+    def pending(self) -> int:
+        """Samples accumulated since the last update."""
+        return self.status.samples
+
+    @property
+    def skipped(self) -> int:
+        """Updates skipped for non-finite values, in all."""
+        return self.status.skipped
+
+    @property
+    def holds_samples(self) -> bool:
+        """Whether the parameters hold a training sample between steps."""
+        return self.holding.holds_samples
+
+    @property
+    def resident(self) -> Sample | None:
+        """The training sample the parameters hold between steps, if any."""
+        return self.holding.resident
+
+    def admit(self, p: Tensor, G: LieGroup) -> None:
+        """Admit parameter ``p`` of Lie group ``G`` (a DTensor's mesh and placements checked:
+        :meth:`~liegroup_blr.sharding.Shards.admit`)."""
+        self.shards.admit(p, G, self.process_group)
+        self.sharded = self.shards.mesh_param is not None
+
+    def placed(self, value: Any, p: Tensor) -> Any:
+        """``value`` (a tensor or a dict of them) placed as parameter ``p`` is sharded."""
+        return self.shards.placed(value, p)
+
+    def local_like(self, element: Tensor, like: Tensor, p: Tensor) -> Tensor:
+        """``element`` given for parameter ``p`` as the local tensor its state ``like`` is."""
+        return self.shards.local_like(element, like, p)
+
+    def join(self, group: dict[str, Any]) -> None:
+        """A new param group: the state of its trained parameters made (they hold the point
+        estimate), and with a resident sample a fresh one that holds them too."""
+        self.forget_tensors()
+        trained = [p for p in group["params"] if p.requires_grad]
+        if trained:
+            self.init_states(group, trained)
+        if self.holding.resident is not None:
+            self.holding.between_steps()
+
+    def accumulate(self, sample: Sample, grads: list[Tensor | None] | None, defer: bool) -> None:
+        """:meth:`accumulate_sample`, its gradients then seen (not made outside a step)."""
+        self.accumulate_sample(sample, grads, defer)
+        self.fresh_gradients()
+
+    @contextmanager
+    def sampled(self, train: bool) -> Iterator[None]:
+        """Hold one posterior sample for the block (``train``: a training sample whose
+        gradients the block leaves are accumulated, deferred, on exit); then what the
+        parameters held before (the resident sample, or the point estimates)."""
+        if train:
+            self.holding.check_training_block()
+        try:
+            with self.holding.keeping():
+                sample = self.draw(train)
+                yield
+                if train:
+                    self.accumulate(sample, None, defer=True)
+        finally:
+            if not self.status.samples:
+                self.forget_tensors()  # parameters may be frozen before the next step
+            if self.holding.resident is None:
+                self.write_points()
+
+    def restore(self, frozen: bool) -> None:
+        """The point estimates into the trained parameters (``frozen``: also those frozen
+        since); they then hold no training sample."""
+        self.write_points(frozen)
+        self.holding.forget()
+
+    def set_prior(self, prior: Prior | None, centre: dict[Tensor, Tensor]) -> None:
+        """The prior that replaces N(0, 1/δ) and the entropy term (``None``: none), and each
+        parameter's centre c of the δ-prior N(c, 1/δ) where it is not 0."""
+        self.status.prior, self.status.centre = prior, centre
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the scratch buffers (``"scratch"``) and the noise (``"noise"``)."""
+        return {"scratch": self.scratch.nbytes, "noise": self.noise.nbytes}
 
     # ------------------------------------------------------------- state dicts
     def state_dict(self, params: list[Tensor]) -> dict[str, Any]:
@@ -145,7 +240,8 @@ class Engine:
 
     def load_state_dict(self, saved: dict[str, Any], params: list[Tensor]) -> None:
         """Restore :meth:`state_dict` (a prior saved without ``"prior_strength"``, before it
-        could be set, has strength 1)."""
+        could be set, has strength 1) into the optimizer's loaded states: the step starts
+        afresh and the parameters hold what they hold between steps."""
         if "rng" in saved:
             self.noise.load_state_dict(
                 {
@@ -173,11 +269,16 @@ class Engine:
         self.status.centre = {
             params[i]: c.to(params[i].device, params[i].dtype) for i, c in centre.items()
         }
+        self.end_step()  # a loaded state starts between steps
+        self.scratch.clear()
+        self.noise.end_step()
+        self.rule.upgrade(self.optimizer.param_groups)
+        self.holding.between_steps()  # the point estimate, or the saved sample again
 
     # ------------------------------------------------------------- param groups
     def point_mean(self, group: dict[str, Any]) -> float | None:
-        """E[ξ] under ``point_estimate="mean"``, else ``None``."""
-        return float(group["base"].mean) if self.point_convention == "mean" else None
+        """E[ξ] under ``point_at="mean"``, else ``None``."""
+        return float(group["base"].mean) if self.point_at == "mean" else None
 
     def reference(self, group: dict[str, Any], p: Tensor, mean: float | None) -> Tensor:
         """ξ₀ at which the point estimate of ``p`` is read: E[ξ] when ``mean`` is given."""
@@ -201,8 +302,8 @@ class Engine:
         if new:
             self.init_states(group, new)
         states = [state[p] for p in keys]
-        params = keys if self.shards.mesh_param is None else [local(p) for p in keys]
-        G = group.get("group", self.rule.lie_group)  # rule.group_of, inline: once per step
+        params = [local(p) for p in keys] if self.sharded else keys
+        G = self.rule.group_of(group)
         shapes = {"acc": G.algebra_shape, "noise": G.base_shape}
         if self.compile:
             shapes["spare"] = G.element_shape
@@ -216,7 +317,7 @@ class Engine:
             noise=noise,
             spares=spares[0] if spares else None,
             rows=self.scratch.rows,
-            mean=float(group["base"].mean) if self.point_convention == "mean" else None,
+            mean=float(group["base"].mean) if self.point_at == "mean" else None,
         )
         return tensors
 
@@ -256,9 +357,10 @@ class Engine:
 
     # --------------------------------------------------------------- samples
     @torch.no_grad()
-    def draw_sample(self, train: bool) -> Sample:
+    def draw(self, train: bool, forget: bool = False) -> Sample:
         """θ = readout(g·ξ) into every trained parameter (``train``: a sample of the next
-        step; else drawn from the prediction generators)."""
+        step; else drawn from the prediction generators); ``forget``: then forget the
+        gathered tensors (parameters may be frozen before the step)."""
         if self.status.deferred:  # the draw rewrites the noise a deferred sample reads
             self.accumulate_deferred()
         self.noise.start_sample(train)
@@ -273,6 +375,8 @@ class Engine:
             noise += self.rule.draw(group, t, xi)
             keys += t.keys
             params += t.params
+        if forget:
+            self.status.tensors.clear()
         return Sample(keys, params, noise)
 
     def accumulate_sample(
@@ -285,7 +389,7 @@ class Engine:
         if status.deferred:
             self.accumulate_deferred()
         grads = [p.grad for p in sample.params] if grads is None else grads
-        if self.shards.mesh_param is not None:
+        if self.sharded:
             grads = self.shards.grads(grads, sample.params)
         at = {p: i for i, p in enumerate(sample.params)}
         for index, group in enumerate(self.optimizer.param_groups):
@@ -371,9 +475,7 @@ class Engine:
         self.end_step()
         self.noise.end_step()
         self.fresh_gradients()
-        self.holding.between_steps(self)
-        if self.on_abandon is not None:
-            self.on_abandon()
+        self.holding.between_steps()
 
     def fresh_gradients(self) -> list[Tensor]:
         """The trained parameters whose gradients were made or changed since the engine last
@@ -412,7 +514,7 @@ class Engine:
         try:
             for s in range(self.mc_samples):
                 rng = self.noise.state_dict() if status.samples else None
-                sample = resident if s == 0 and resident else self.draw_sample(True)
+                sample = resident if s == 0 and resident else self.draw(True)
                 with torch.enable_grad():
                     values.append(closure())
                 if foreign is not None:
@@ -466,6 +568,14 @@ class Engine:
             self.entropies[key] = grad
         return grad
 
+    def read_gradients(self) -> None:
+        """A closure-free ``step()``: the samples accumulated since the last one, or else the
+        holding's (with ``between_steps="sample"``, the parameters' own, whose gradient is
+        ``p.grad``)."""
+        if not self.status.samples:
+            self.accumulate_sample(self.holding.read(self.mc_samples), None, defer=True)
+            self.fresh_gradients()  # the engine has seen them: not made outside a step
+
     def update(
         self, loss_finite: bool, inv_scale: float, found_inf: bool = False
     ) -> FloatingPointError | None:
@@ -476,8 +586,28 @@ class Engine:
         Returns the error to raise once the step is over, after ``max_consecutive_skips``
         skips in a row."""
         finite = loss_finite and not found_inf
-        status, groups, state = self.status, self.optimizer.param_groups, self.optimizer.state
-        work: list[tuple[int, dict[str, Any], GroupTensors]] = []  # parameters with samples
+        work, n, finite = self.gather(finite)
+        drawn = dict(self.status.tensors)
+        proposals, draw_next = self.propose(work, drawn, n, inv_scale, finite)
+        moved = self.check(work, proposals, finite)
+        error = None
+        if moved:
+            self.commit(work, proposals)
+        elif work:
+            error = self.skip(work, proposals, loss_finite, found_inf, finite)
+        if self.grad_scaler is not None:
+            record_finite(self.grad_scaler, moved or not work)
+        self.end_step()
+        unmoved = len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work)
+        done = [t for _, _, t in work] if moved else []
+        self.holding.after_update(drawn, done if unmoved else None, draw_next and moved)
+        return error
+
+    def gather(self, finite: bool) -> tuple[list[Work], int, bool]:
+        """The param groups' parameters with samples, the number of samples and whether the
+        step is finite (with ``process_group``: summed and agreed over the processes)."""
+        status, groups = self.status, self.optimizer.param_groups
+        work: list[Work] = []
         for index, t in status.tensors.items():
             keep = [p.requires_grad and p in status.pending for p in t.keys]
             if any(keep):
@@ -495,16 +625,29 @@ class Engine:
             self.accumulate_deferred()
             accs = [a for _, _, t in work for a in t.accs]
             n, finite = all_reduce_accumulators(accs, n, finite, self.process_group)
-        drawn = dict(status.tensors)
-        fused = (
+        return work, n, finite
+
+    def propose(
+        self,
+        work: list[Work],
+        drawn: dict[int, GroupTensors],
+        n: int,
+        inv_scale: float,
+        finite: bool,
+    ) -> tuple[list[Proposal], bool]:
+        """Each param group's proposal from its accumulators and its deferred sample (none
+        once a rule rejects one, or where the step is not ``finite``), and whether the
+        update draws the next sample (a compiled one-sample step whose holding opens it)."""
+        deferreds = self.status.deferred
+        draw_next = (
             self.compile
             and n == 1
             and len(work) == len(drawn)
-            and self.holding.start_draw(self, not self.noise.views or self.rule.fuses_view_draws)
+            and self.holding.open_draw_next(not self.noise.views or self.rule.draw_next_from_views)
         )
         proposals: list[Proposal] = []
         for index, group, t in work if finite else []:
-            deferred, sample = status.deferred.pop(index, None), None
+            deferred, sample = deferreds.pop(index, None), None
             if deferred is not None:  # the gradients as the step sees them
                 if deferred.versions != [g._version for g in deferred.raw]:
                     self.refuse_changed()
@@ -517,103 +660,60 @@ class Engine:
                     self.rule.accumulate(
                         group, deferred.tensors, deferred.noise, grads, deferred.first
                     )
-            fused = fused and sample is not None and t is drawn[index]
-            if fused:
-                self.next_noise(index, group, t, sample[0])  # type: ignore[index]
-            proposal = self.rule.propose(group, t, n, sample, self.offsets(group, t), fused)
+            draw_next = draw_next and sample is not None and t is drawn[index]
+            if draw_next:
+                self.draw_next_noise(index, group, t, sample[0])  # type: ignore[index]
+            proposal = self.rule.propose(group, t, n, sample, self.offsets(group, t), draw_next)
             if proposal is None:
                 break
             proposals.append(proposal)
+        return proposals, draw_next
+
+    def check(self, work: list[Work], proposals: list[Proposal], finite: bool) -> bool:
+        """Whether every param group proposed and every proposal is finite: the sums first,
+        one host sync where they are finite (:func:`all_finite`'s test); the shards' ranks
+        agree."""
         checked = [t for proposal in proposals for t in proposal.checked]
         sums = [s for pr in proposals for s in (pr.sums or [t.sum() for t in pr.checked])]
-        moved = (  # the sums first: one host sync where they are finite (all_finite's test)
+        moved = (
             len(proposals) == len(work)
             and finite
             and (not sums or bool(torch.stack(sums).isfinite().all()) or all_finite(checked, sums))
         )
-        if self.shards.mesh_param is not None:  # the shards' ranks take or skip it together
+        if self.sharded:  # the shards' ranks take or skip it together
             moved = self.shards.agree(moved)
-        error = None
-        if moved:
-            for (_, _, t), proposal in zip(work, proposals, strict=True):
-                states = [state[p] for p in t.keys]  # the new momenta take the old ones' place
-                self.scratch.swap(states, t.params, "momentum", "acc")
-                if proposal.commit is None:  # moved into the spares by the proposal
-                    self.scratch.swap(states, t.params, "element", "spare")
-                else:
-                    proposal.commit()
-            status.consecutive = 0
-        elif work:  # a skip a GradScaler calibrating its scale expects is not warned of
-            expected = expected_skip(self.optimizer)
-            what = partial(self.non_finite, loss_finite, found_inf, finite, work, proposals)
-            limit = self.max_consecutive_skips
-            error = status.skip(self.name, expected, limit, what, self.skip_fix())
-        if self.grad_scaler is not None:
-            record_finite(self.grad_scaler, moved or not work)
-        status.samples = 0  # end_step(), inline: a step's calls are few
-        status.pending.clear()
-        status.deferred.clear()
-        status.tensors.clear()
-        unmoved = len(work) < len(drawn) or not moved or any(t is not drawn[i] for i, _, t in work)
-        done = [t for _, _, t in work] if moved else []
-        self.holding.after_update(self, drawn, done if unmoved else None, fused and moved)
-        return error
+        return moved
 
-    def non_finite(
+    def commit(self, work: list[Work], proposals: list[Proposal]) -> None:
+        """Take the proposals: the new momenta (and a compiled update's moved elements, in
+        the spares) swap places with the old."""
+        state = self.optimizer.state
+        for (_, _, t), proposal in zip(work, proposals, strict=True):
+            states = [state[p] for p in t.keys]
+            self.scratch.swap(states, t.params, "momentum", "acc")
+            if proposal.commit is None:  # moved into the spares by the proposal
+                self.scratch.swap(states, t.params, "element", "spare")
+            else:
+                proposal.commit()
+        self.status.consecutive = 0
+
+    def skip(
         self,
+        work: list[Work],
+        proposals: list[Proposal],
         loss_finite: bool,
         found_inf: bool,
         finite: bool,
-        work: list[tuple[int, dict[str, Any], GroupTensors]],
-        proposals: list[Proposal],
-    ) -> str:
-        """What was not finite in a skipped step (for its warning or error): the loss, a
-        gradient (an inf a GradScaler found, or a new momentum: the algebra gradient of the
-        loss and the prior), an updated element (or one that is not in its group, a rule's
-        proposal refused), or a value on another process (``finite``: after the processes'
-        verdicts) or another shard's rank."""
-        if not loss_finite:
-            return "loss"
-        if found_inf:
-            return "gradient (the GradScaler found an inf)"
-        if not finite:
-            return "loss or gradient on another process"
-        for (index, _, t), proposal in zip(work, proposals, strict=False):
-            count = len(t.keys)
-            for i, checked in enumerate(proposal.checked):
-                if not bool(checked.isfinite().all()):
-                    kind = "gradient" if i < count else "updated element"
-                    return f"{kind} of {self.param_name(index, t.keys[i % count])}"
-        if len(proposals) < len(work):  # the rule refused the next group's proposal
-            index, _, t = work[len(proposals)]
-            for p, acc in zip(t.keys, t.accs, strict=True):
-                if not bool(acc.isfinite().all()):
-                    return f"gradient of {self.param_name(index, p)}"
-            names = ", ".join(self.param_name(index, p) for p in t.keys)
-            return f"updated element (or one not in its group) of {names}"
-        return "value on another rank of the sharded parameters"
+    ) -> FloatingPointError | None:
+        """Count a skipped step (a skip a GradScaler calibrating its scale expects is not
+        warned of); the error to raise after ``max_consecutive_skips`` in a row."""
+        expected = expected_skip(self.optimizer)
+        groups = self.optimizer.param_groups
+        what = partial(non_finite, groups, loss_finite, found_inf, finite, work, proposals)
+        limit = self.max_consecutive_skips
+        return self.status.skip(self.name, expected, limit, what, skip_fix(groups))
 
-    def param_name(self, index: int, p: Tensor) -> str:
-        """``p`` as a message names it: by the name the optimizer was given
-        (``named_parameters()``), else by its position in param group ``index``."""
-        group = self.optimizer.param_groups[index]
-        position = next(i for i, q in enumerate(group["params"]) if q is p)
-        names = group.get("param_names")
-        if names is not None and position < len(names):
-            return f"parameter {names[position]!r}"
-        return f"parameter {position} of param group {index}"
-
-    def skip_fix(self) -> str:
-        """The likely fixes of a diverged run, as its error names them."""
-        scale = any("scale_lr" in group for group in self.optimizer.param_groups)
-        rates = "lr or the scale's step (scale_step or scale_lr)" if scale else "lr"
-        return (
-            f"Lower {rates}, or widen the prior: one much narrower than the data allows (a "
-            "large prior_precision, or a posterior from next_task/set_prior: lower its "
-            "strength) makes the updates overflow"
-        )
-
-    def next_noise(
+    def draw_next_noise(
         self, index: int, group: dict[str, Any], t: GroupTensors, current: list[Tensor]
     ) -> None:
         """Draw the next sample's ξ of param group ``index`` into the accumulators (the first

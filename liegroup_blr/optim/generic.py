@@ -77,7 +77,7 @@ class LieGroupBLR(BLROptimizer):
 
     Outside :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params` every parameter holds the
     point estimate ``readout(g · ξ₀)`` (ξ₀ = ``group.reference_point``, or E[ξ] with
-    ``point_estimate="mean"``).
+    ``point_at="mean"``).
 
     ``lgb.LieGroupBLR(params, group, base, lr, momentum, *, data_size, ...)``: the arguments
     from ``data_size`` on are keyword-only. Passed by position (0.1.0 took ``data_size``,
@@ -107,7 +107,7 @@ class LieGroupBLR(BLROptimizer):
             ``X -> P(X)``.
         init: callable ``θ -> g`` giving each parameter's initial element
             (default ``group.from_point``); it must return a valid element.
-        point_estimate: ``"g"`` or ``"mean"`` (see above).
+        point_at: ``"g"`` or ``"mean"`` (see above).
 
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
 
@@ -132,7 +132,7 @@ class LieGroupBLR(BLROptimizer):
         weight_decay: float = 0.0,
         preconditioner: Preconditioner = None,
         init: Callable[[Tensor], Tensor] | None = None,
-        point_estimate: str = "g",
+        point_at: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
         required("LieGroupBLR", lr=(lr, "the step size α of g ← g·exp(−αM)"))
@@ -152,9 +152,7 @@ class LieGroupBLR(BLROptimizer):
         if not isinstance(group, LieGroup):
             raise ValueError(f"group: expected a liegroup_blr.groups.LieGroup, got {group!r}")
         rule = GenericRule(group, preconditioner, init)
-        super().__init__(
-            params, defaults, rule, mc_samples=mc_samples, point_estimate=point_estimate, **engine
-        )
+        super().__init__(params, defaults, rule, mc_samples=mc_samples, point_at=point_at, **engine)
 
     @property
     def preconditioner(self) -> Preconditioner:
@@ -217,7 +215,7 @@ class GenericRule(Rule):
     def accumulate(self, group, t, noise, grads, first) -> None:
         generic_accumulate(self.group_of(group), t.accs, t.elements, noise, grads, first=first)
 
-    def propose(self, group, t, n, sample, offset, draw) -> Proposal | None:
+    def propose(self, group, t, n, sample, offset, draw_next) -> Proposal | None:
         G = self.group_of(group)
         offsets = offset if isinstance(offset, list) else [offset] * len(t.params)
         return generic(

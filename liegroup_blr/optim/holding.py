@@ -10,50 +10,47 @@ state from before its draw, so a state dict draws it again bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ..noise import NoiseSource
-from .options import EngineState
 from .tensors import GroupTensors, Sample
 
-__all__ = ["Holding", "PointHolding", "SampleHolding", "holding"]
+__all__ = ["Draws", "Holding", "PointHolding", "SampleHolding", "holding"]
 
 
-class Draws(Protocol):
-    """What a holding uses of the engine (:class:`~liegroup_blr.optim.engine.Engine`)."""
+@dataclass
+class Draws:
+    """What a holding uses of the engine: the noise source and three of its operations, bound
+    by the engine (:class:`~liegroup_blr.optim.engine.Engine`) that composes the holding."""
 
-    mc_samples: int
     noise: NoiseSource
-    status: EngineState
-
-    def draw_sample(self, train: bool) -> Sample: ...
-    def write_points(self, frozen: bool = False) -> None: ...
-    def restore_unmoved(self, drawn: dict[int, GroupTensors], moved: list[GroupTensors]): ...
-    def accumulate_sample(self, sample: Sample, grads: None, defer: bool) -> None: ...
-    def fresh_gradients(self) -> list[Any]: ...
+    draw: Callable[[], Sample]
+    """A training sample into every trained parameter (the gathered tensors then forgotten:
+    parameters may be frozen before the step)."""
+    write_points: Callable[[], None]
+    """The point estimates into the trained parameters."""
+    restore_unmoved: Callable[[dict[int, GroupTensors], list[GroupTensors]], None]
+    """The point estimates into the drawn parameters a step did not move."""
 
 
 class Holding(Protocol):
     """The protocol of :class:`PointHolding` and :class:`SampleHolding`."""
 
-    samples: bool
+    holds_samples: bool
     resident: Sample | None
     rng: dict[str, Any] | None
 
-    def between_steps(self, engine: Draws) -> None: ...
-    def start_draw(self, engine: Draws, fusable: bool) -> bool: ...
+    def between_steps(self) -> None: ...
+    def open_draw_next(self, fusable: bool) -> bool: ...
     def after_update(
-        self,
-        engine: Draws,
-        drawn: dict[int, GroupTensors],
-        moved: list[GroupTensors] | None,
-        drawn_by_update: bool,
+        self, drawn: dict[int, GroupTensors], moved: list[GroupTensors] | None, drew_next: bool
     ) -> None: ...
-    def read(self, engine: Draws) -> None: ...
+    def read(self, mc_samples: int) -> Sample: ...
     def owns_outside_gradients(self, mc_samples: int) -> bool: ...
     def outside_gradients(self, verdict: str) -> str: ...
     def check_training_block(self) -> None: ...
@@ -65,33 +62,32 @@ class PointHolding:
     """Between steps the parameters hold the point estimate; ``step()`` without a closure
     takes the samples of ``sampled_params(train=True)`` blocks."""
 
-    samples = False
+    holds_samples = False
     """Whether the parameters hold a training sample between steps."""
     resident: Sample | None = None
     rng: dict[str, Any] | None = None
 
-    def between_steps(self, engine: Draws) -> None:
-        """Write the point estimates."""
-        engine.write_points()
+    def __init__(self, draws: Draws) -> None:
+        self.draws = draws
 
-    def start_draw(self, engine: Draws, fusable: bool) -> bool:
-        """A compiled update never draws a sample: the parameters hold the point estimate."""
+    def between_steps(self) -> None:
+        """Write the point estimates."""
+        self.draws.write_points()
+
+    def open_draw_next(self, fusable: bool) -> bool:
+        """An update never draws the next sample: the parameters hold the point estimate."""
         return False
 
     def after_update(
-        self,
-        engine: Draws,
-        drawn: dict[int, GroupTensors],
-        moved: list[GroupTensors] | None,
-        drawn_by_update: bool,
+        self, drawn: dict[int, GroupTensors], moved: list[GroupTensors] | None, drew_next: bool
     ) -> None:
         """After a step: the point estimate into every drawn parameter the step did not move
         (``moved``: the tensors it moved, ``None`` when it moved every drawn one)."""
-        engine.noise.end_step()
+        self.draws.noise.end_step()
         if moved is not None:
-            engine.restore_unmoved(drawn, moved)
+            self.draws.restore_unmoved(drawn, moved)
 
-    def read(self, engine: Draws) -> None:
+    def read(self, mc_samples: int) -> Sample:
         """A closure-free ``step()`` without samples: refused."""
         raise RuntimeError(
             "step() without a closure needs gradients from at least one "
@@ -130,65 +126,60 @@ class SampleHolding:
         resident: the training sample the parameters hold (``None`` after
             :meth:`~liegroup_blr.optim.BLROptimizer.restore`).
         rng: the noise generators' state from before the resident sample's draw.
-        started: whether the running update opened the next sample's draw
-            (``start_draw``).
+        draw_next: whether the running update draws the next sample (:meth:`open_draw_next`).
     """
 
-    samples = True
+    holds_samples = True
 
-    def __init__(self) -> None:
+    def __init__(self, draws: Draws) -> None:
+        self.draws = draws
         self.resident: Sample | None = None
         self.rng: dict[str, Any] | None = None
-        self.started = False
+        self.draw_next = False
 
-    def between_steps(self, engine: Draws) -> None:
+    def between_steps(self) -> None:
         """Draw the sample the parameters hold until the next step, keeping the noise
         generators' state from before it, so a state dict redraws it bit for bit."""
-        self.rng = engine.noise.state_dict()
-        self.resident = engine.draw_sample(True)
-        engine.status.tensors.clear()  # parameters may be frozen before the step
+        self.rng = self.draws.noise.state_dict()
+        self.resident = self.draws.draw()
 
-    def start_draw(self, engine: Draws, fusable: bool) -> bool:
+    def open_draw_next(self, fusable: bool) -> bool:
         """Whether a compiled one-sample update draws the next sample itself (``fusable``:
-        where that saves passes over the state); if so, open it now, keeping the generators'
-        state from before it."""
+        where that saves passes over the state); if so, open its draw now, keeping the
+        generators' state from before it."""
         if fusable:
-            self.rng = engine.noise.state_dict()
-            engine.noise.end_step()
-            engine.noise.start_sample(True)
-        self.started = fusable
+            noise = self.draws.noise
+            self.rng = noise.state_dict()
+            noise.end_step()
+            noise.start_sample(True)
+        self.draw_next = fusable
         return fusable
 
     def after_update(
-        self,
-        engine: Draws,
-        drawn: dict[int, GroupTensors],
-        moved: list[GroupTensors] | None,
-        drawn_by_update: bool,
+        self, drawn: dict[int, GroupTensors], moved: list[GroupTensors] | None, drew_next: bool
     ) -> None:
-        """After a step the next training sample is held: the one the update drew (its noise in
-        the noise buffers), or one drawn now from the generators' state before the update's
-        (an eager step, a skipped one, a parameter without a sample)."""
-        started, self.started = self.started, False
-        if drawn_by_update:
+        """After a step the next training sample is held: the one the update drew
+        (``drew_next``; its noise in the noise buffers), or one drawn now from the generators'
+        state before the update's (an eager step, a skipped one, a parameter without a
+        sample)."""
+        opened, self.draw_next = self.draw_next, False
+        if drew_next:
             keys = [p for t in drawn.values() for p in t.keys]
             params = [p for t in drawn.values() for p in t.params]
             noise = [n for t in drawn.values() for n in t.noise]
             self.resident = Sample(keys, params, noise)
             return
-        if started:
-            engine.noise.load_state_dict(self.rng or {})
-        engine.noise.end_step()
-        self.rng = engine.noise.state_dict()  # between_steps(), inline: a step's calls are few
-        self.resident = engine.draw_sample(True)
-        engine.status.tensors.clear()
+        if opened:
+            self.draws.noise.load_state_dict(self.rng or {})
+        self.draws.noise.end_step()
+        self.between_steps()
 
-    def read(self, engine: Draws) -> None:
-        """A closure-free ``step()``: the resident sample with ``p.grad`` as its gradient."""
-        if engine.mc_samples > 1:
+    def read(self, mc_samples: int) -> Sample:
+        """A closure-free ``step()``: the resident sample, whose gradient is ``p.grad``."""
+        if mc_samples > 1:
             raise RuntimeError(
                 f"step() without a closure takes one sample, the parameters' own, in "
-                f"between_steps='sample'; mc_samples={engine.mc_samples} needs step(closure)"
+                f"between_steps='sample'; mc_samples={mc_samples} needs step(closure)"
             )
         if self.resident is None:
             raise RuntimeError(
@@ -197,8 +188,7 @@ class SampleHolding:
                 "instead, or draw a sample again with optimizer.load_state_dict("
                 "optimizer.state_dict())"
             )
-        engine.accumulate_sample(self.resident, None, defer=True)
-        engine.fresh_gradients()  # the engine has seen them: not made outside a step
+        return self.resident
 
     def owns_outside_gradients(self, mc_samples: int) -> bool:
         """Gradients made outside a step are the resident sample's, which the closure adds to
@@ -268,9 +258,7 @@ HOLDINGS: dict[str, type[PointHolding] | type[SampleHolding]] = {
 """What the parameters hold between steps, by ``between_steps``."""
 
 
-def holding(between_steps: str) -> PointHolding | SampleHolding:
-    """The holding ``between_steps`` names."""
-    kind = HOLDINGS.get(between_steps)
-    if kind is None:
-        raise ValueError(f"between_steps: must be one of {tuple(HOLDINGS)}, got {between_steps!r}")
-    return kind()
+def holding(between_steps: str, draws: Draws) -> PointHolding | SampleHolding:
+    """The holding ``between_steps`` (one of :data:`HOLDINGS`) names, on the engine's
+    ``draws``."""
+    return HOLDINGS[between_steps](draws)

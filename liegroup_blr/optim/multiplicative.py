@@ -85,7 +85,7 @@ class MultiplicativeBLR(BLROptimizer):
     such a tensor is kept (on tensors that are not constant, and on constant ones equal to 0,
     ``"auto"`` and ``"reference"`` give the same elements). The parameters hold
     :math:`g^+ - g^-` outside :meth:`~liegroup_blr.optim.BLROptimizer.sampled_params`
-    (``point_estimate="mean"``: :math:`E[\xi](g^+ - g^-)`).
+    (``point_at="mean"``: :math:`E[\xi](g^+ - g^-)`).
 
     Args:
         params: parameters or param groups.
@@ -102,7 +102,7 @@ class MultiplicativeBLR(BLROptimizer):
         signed: excitatory/inhibitory parts (default) or a single positive part.
         init: ``"keep"``, ``"auto"`` or ``"reference"`` (see above); ``None``: ``"auto"``,
             warning once if it rewrites a weight.
-        point_estimate: ``"g"`` or ``"mean"``.
+        point_at: ``"g"`` or ``"mean"``.
         **engine: the engine's keyword-only options, :class:`~liegroup_blr.optim.EngineOptions`.
     """
 
@@ -123,7 +123,7 @@ class MultiplicativeBLR(BLROptimizer):
         weight_decay: float = 0.0,
         signed: bool = True,
         init: str | None = None,
-        point_estimate: str = "g",
+        point_at: str = "g",
         **engine: Unpack[EngineOptions],
     ) -> None:
         required(
@@ -144,9 +144,7 @@ class MultiplicativeBLR(BLROptimizer):
             init_offset=init_offset,
         )
         rule = MultiplicativeRule(signed, init)
-        super().__init__(
-            params, defaults, rule, mc_samples=mc_samples, point_estimate=point_estimate, **engine
-        )
+        super().__init__(params, defaults, rule, mc_samples=mc_samples, point_at=point_at, **engine)
 
     @property
     def signed(self) -> bool:
@@ -169,7 +167,7 @@ class MultiplicativeRule(Rule):
     """
 
     lie_group: MultiplicativeGroup
-    fuses_view_draws = True  # w = g ⊙ ξ is written either way
+    draw_next_from_views = True  # w = g ⊙ ξ is written either way
 
     def __init__(self, signed: bool, init: str | None) -> None:
         super().__init__(MultiplicativeGroup(signed=signed))
@@ -222,11 +220,11 @@ class MultiplicativeRule(Rule):
     def accumulate(self, group, t, noise, grads, first) -> None:
         multiplicative_accumulate(t.accs, noise, grads, first=first, signed=self.signed)
 
-    def propose(self, group, t, n, sample, offset, draw) -> Proposal:
+    def propose(self, group, t, n, sample, offset, draw_next) -> Proposal:
         return multiplicative(
             t,
             sample,
-            draw=draw,
+            draw_next=draw_next,
             n=n,
             beta=group["momentum"],
             offset=offset,
@@ -250,7 +248,7 @@ def multiplicative_move(g: Tensor, m: Tensor, lr: float | Tensor) -> Tensor:
 
 def multiplicative_readout(g: Rows, mean: float | None) -> Tensor:
     """The point estimate g⁺ − g⁻ (or g) of the rows of an element, times E[ξ] under
-    ``point_estimate="mean"``."""
+    ``point_at="mean"``."""
     point = g[0] - g[1] if len(g) == 2 else g[0]
     return point if mean is None else point * mean
 
@@ -363,11 +361,11 @@ def multiplicative_update(
     beta: float,
     lr: Tensor,
     mean: float | None,
-    draw: bool = False,
+    draw_next: bool = False,
 ) -> list[Tensor]:
     """The whole update as formulas over the rows (g⁺, g⁻) or (g,) of each tensor, one loop
     per parameter under ``torch.compile``: the new momentum into ``accs``, the moved element
-    into ``spares``, θ into ``params`` (the point estimate; with ``draw``, the next sample's
+    into ``spares``, θ into ``params`` (the point estimate; with ``draw_next``, the next sample's
     readout of w' = g' ⊙ ξ', ξ' read from the accumulator of a one-sample step, w' kept in
     ``noise``), from the accumulators or a deferred ``sample`` (w, ∇ℓ̄_δ); returns each new
     momentum's sum (not finite if any entry is not)."""
@@ -385,7 +383,7 @@ def multiplicative_update(
             c = offset if isinstance(offset, float) else offset[i][j]
             news.append(momentum(x, m[j], n=n, beta=beta, offset=c))
             moved.append(multiplicative_move(g[j], news[j], lr))
-        if draw:  # ξ' read from the accumulator before the new momentum is written there
+        if draw_next:  # ξ' read from the accumulator before the new momentum is written there
             w = [moved[j] * acc[j] for j in range(len(g))]
             p.copy_(multiplicative_readout(tuple(w), None))
             for j in range(len(g)):
@@ -403,7 +401,7 @@ def multiplicative(
     t: GroupTensors,
     sample: SampleGrads | None,
     *,
-    draw: bool,
+    draw_next: bool,
     n: int,
     beta: float,
     offset: float | list[Tensor],
@@ -413,7 +411,7 @@ def multiplicative(
 ) -> Proposal:
     """The multiplicative rule's update of a param group from its accumulators (``n``
     samples) or its one deferred ``sample`` (w, ∇ℓ̄_δ): eager, in place, or as one compiled
-    kernel per parameter into the spares (which also draws the next sample with ``draw``)."""
+    kernel per parameter into the spares (which also draws the next sample with ``draw_next``)."""
     if not compile:
         multiplicative_momentum_(
             t.accs, t.momenta, n=n, beta=beta, offset=offset, signed=signed, sample=sample
@@ -430,6 +428,6 @@ def multiplicative(
         beta=beta,
         lr=torch.tensor(lr, dtype=t.elements[0].dtype),  # a tensor: schedules do not recompile
         mean=t.mean,
-        draw=draw,
+        draw_next=draw_next,
     )
     return Proposal(t.accs, sums)

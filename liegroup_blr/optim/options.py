@@ -80,14 +80,13 @@ class EngineOptions(TypedDict, total=False):
 
 @dataclass
 class EngineState:
-    """Everything the engine changes while it runs, in one object the engine (and so the
-    optimizer) holds by reference: a wrapper that copies the optimizer's ``__dict__`` (Lightning's
-    ``LightningOptimizer`` does) shares it, so a sample counted through the wrapper is
-    counted for the optimizer.
+    """What the engine changes while it runs, written by the engine alone (the optimizer
+    holds the engine by reference: a wrapper that copies the optimizer's ``__dict__``, as
+    Lightning's ``LightningOptimizer`` does, shares it, so a sample counted through the
+    wrapper is counted for the optimizer).
 
     Attributes:
         samples: samples accumulated since the last update.
-        block: ``"sampled_params"`` or ``"point_estimate"`` inside such a block, else ``""``.
         skipped: updates skipped for non-finite values, in all.
         consecutive: updates skipped in a row (not counting those a GradScaler expects).
         skip_warned: whether a skipped step has been warned of (only the first is).
@@ -101,12 +100,9 @@ class EngineState:
         unaveraged: with ``process_group``, whether the processes' gradients were seen to
             differ (not averaged by DistributedDataParallel).
         warned: whether a step that found no gradient has been warned of.
-        kept: inside a ``point_estimate`` block, what each parameter (its local tensor) holds
-            after it.
     """
 
     samples: int = 0
-    block: str = ""
     skipped: int = 0
     consecutive: int = 0
     skip_warned: bool = False
@@ -118,7 +114,6 @@ class EngineState:
     centre: dict[Tensor, Tensor] = field(default_factory=dict)
     unaveraged: bool = False
     warned: bool = False
-    kept: dict[Tensor, Tensor] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy forgets the gradients it saw (weak references neither copy nor pickle)."""

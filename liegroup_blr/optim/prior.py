@@ -74,9 +74,9 @@ def check_strength(strength: Any) -> float:
     return value
 
 
-def check_next_prior(prior: Any, strength: Any, mesh_param: Any) -> float:
+def check_next_prior(prior: Any, strength: Any, sharded: bool) -> float:
     """``strength`` checked for ``prior`` (one of :data:`NEXT_PRIORS`; a strength other than 1
-    only with ``"posterior"``; ``"delta"`` not with sharded parameters, ``mesh_param``).
+    only with ``"posterior"``; ``"delta"`` not with ``sharded`` parameters).
 
     Raises:
         ValueError: in one line, naming the argument.
@@ -87,7 +87,7 @@ def check_next_prior(prior: Any, strength: Any, mesh_param: Any) -> float:
     strength = check_strength(strength)
     if prior != "posterior" and strength != 1.0:
         raise ValueError(f"strength: weights the posterior as prior; prior={prior!r} has none")
-    if prior == "delta" and mesh_param is not None:
+    if prior == "delta" and sharded:
         raise NotImplementedError(
             "next_task(prior='delta'): not with sharded (DTensor, FSDP2) parameters yet; "
             "train the next task with DistributedDataParallel, or on one process"

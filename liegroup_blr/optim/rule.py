@@ -36,7 +36,7 @@ class Rule:
             where :attr:`groups_per_param_group`).
         compile: whether :meth:`propose` runs the compiled update (set by :meth:`bind`).
         groups_per_param_group: whether a param group may set its own Lie group.
-        fuses_view_draws: whether a compiled update that draws the next sample pays off also
+        draw_next_from_views: whether a compiled update that draws the next sample pays off also
             when the noise source serves views.
         entropy_as_number: whether :meth:`propose` takes the entropy's part of the algebra
             gradient as the one number −τ/N (the built-in groups' log|det J| has a unit
@@ -44,7 +44,7 @@ class Rule:
     """
 
     groups_per_param_group = False
-    fuses_view_draws = False
+    draw_next_from_views = False
     entropy_as_number = True
 
     def __init__(self, lie_group: LieGroup) -> None:
@@ -113,12 +113,12 @@ class Rule:
         n: int,
         sample: SampleGrads | None,
         offset: float | list[Tensor],
-        draw: bool,
+        draw_next: bool,
     ) -> Proposal | None:
         """The update from the accumulators (n samples) and the deferred ``sample`` (its
         noise and gradients: not yet in them, and then the only one, ``n = 1``), with the
         algebra gradient's part that is not the loss's, ``offset``; ``None`` rejects the
-        step. With ``draw`` (a compiled one-sample step in sample mode; the next sample's ξ'
+        step. With ``draw_next`` (a compiled one-sample step in sample mode; the next sample's ξ'
         is in the accumulators) the update writes the next sample θ = readout(g'·ξ') into
         the parameters and its noise into ``t.noise`` instead of the point estimate."""
         raise NotImplementedError

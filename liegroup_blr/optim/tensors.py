@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -12,7 +13,7 @@ from torch import Tensor
 from .kernel_utils import Rows
 from .scratch import Scratch
 
-__all__ = ["Deferred", "GroupTensors", "Proposal", "Sample", "SampleGrads"]
+__all__ = ["Deferred", "GroupTensors", "Proposal", "Sample", "SampleGrads", "Work"]
 
 SampleGrads = tuple[list[Tensor], list[Tensor]]
 """A deferred sample as an update reads it: its noise (as :attr:`Sample.noise`) and its
@@ -39,7 +40,7 @@ class GroupTensors:
         rows: each tensor of a list as its rows (:data:`~.kernel_utils.Rows`), the views
             kept between steps, as compiled kernels take them.
         mean: E[ξ] where the point estimate is read at the base's mean
-            (``point_estimate="mean"``), else ``None``.
+            (``point_at="mean"``), else ``None``.
     """
 
     keys: list[Tensor]
@@ -72,6 +73,10 @@ class GroupTensors:
             noise=pick(self.noise),
             spares=None if self.spares is None else pick(self.spares),
         )
+
+
+Work = tuple[int, dict[str, Any], GroupTensors]
+"""A param group with samples in an update: its index, its hyperparameters, its tensors."""
 
 
 @dataclass

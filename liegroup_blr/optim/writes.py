@@ -1,13 +1,18 @@
 """Writes to the parameters made outside the optimizer, adopted as the posterior's location
-(the rules of :mod:`~liegroup_blr.optim.outside`): one component, :class:`Writes`.
+(the rules of :mod:`~liegroup_blr.optim.outside`): one component, :class:`Writes`, and the
+decorator :func:`adopts_writes` that wraps the optimizer's public methods with it.
 
-After each of its public calls the optimizer :meth:`~Writes.mark`\\ s every trained parameter's
-version counter and storage; at the next one it :meth:`~Writes.take`\\ s what changed since.
+Before each public call the optimizer :meth:`~Writes.take`\\ s what changed since its last
+one; after it, it :meth:`~Writes.mark`\\ s every trained parameter's version counter and
+storage.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -18,7 +23,43 @@ from .engine import Engine
 from .outside import unchanged
 from .scratch import state_dtype
 
-__all__ = ["Writes"]
+__all__ = ["Writes", "adopts_writes"]
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def adopts_writes(take: bool = True) -> Callable[[Method], Method]:
+    """Wrap a public method of the optimizer (its ``_writes``, a :class:`Writes`): first adopt
+    what was written into the parameters since the optimizer's last call (``take``; outside
+    its blocks, ``_block``), and on the way out, also on error, remember what they hold. A
+    generator method (a block) takes on entry and marks on exit."""
+
+    def wrap(method: Method) -> Method:
+        if inspect.isgeneratorfunction(method):
+
+            @functools.wraps(method)
+            def block(self: Any, *args: Any, **kwargs: Any) -> Any:
+                if take and not self._block.name:
+                    self._writes.take()
+                try:
+                    return (yield from method(self, *args, **kwargs))
+                finally:
+                    self._writes.mark()
+
+            return cast(Method, block)
+
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if take and not self._block.name:
+                self._writes.take()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._writes.mark()
+
+        return cast(Method, call)
+
+    return wrap
 
 
 class Writes:
@@ -28,10 +69,13 @@ class Writes:
         written: each trained parameter's version counter and storage pointer as the
             optimizer last left them (of a sharded parameter: the DTensor's version, its
             local shard's storage).
+        step: the engine's step state, read to tell whether a step is under way (the
+            parameters then hold its sample: nothing is taken).
     """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.step = engine.status
         self.written: dict[Tensor, tuple[int, int]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -43,9 +87,9 @@ class Writes:
         Between steps only, where the parameters hold what the optimizer last wrote: one
         comparison of version and storage per parameter, no pass over values."""
         engine, written = self.engine, self.written
-        status, sharded = engine.status, engine.shards.mesh_param is not None
-        if status.samples or status.tensors or status.block:
+        if self.step.samples or self.step.tensors:  # the parameters hold a step's sample
             return
+        sharded = engine.sharded
         changed = [
             p
             for group in engine.optimizer.param_groups
@@ -60,7 +104,7 @@ class Writes:
         """Remember each trained parameter's version counter and storage, as the optimizer
         left them."""
         engine = self.engine
-        sharded = engine.shards.mesh_param is not None
+        sharded = engine.sharded
         self.written = {
             p: (p._version, (local(p) if sharded else p).data_ptr())
             for group in engine.optimizer.param_groups
@@ -80,7 +124,7 @@ class Writes:
                 ``with_point``: each in one line naming the fix.
         """
         engine = self.engine
-        resident, state, rule = engine.holding.resident, engine.optimizer.state, engine.rule
+        resident, state, rule = engine.resident, engine.optimizer.state, engine.rule
         held = {} if resident is None else {p: i for i, p in enumerate(resident.params)}
         adopted, sampled = 0, {}
         for index, group in enumerate(engine.optimizer.param_groups):
@@ -143,7 +187,7 @@ class Writes:
                 "the model"
             )
         if p in held:
-            resident = engine.holding.resident
+            resident = engine.resident
             assert resident is not None
             expected = engine.rule.sample_value(group, element, resident.noise[held[p]])
         else:

@@ -153,7 +153,7 @@ def _fresh_worker(rank: int, folder: str) -> None:
     for _ in range(2):
         with opt.sampled_params():
             draws.append(layer.weight.full_tensor() - point)
-    memory = opt.memory()
+    memory = opt.footprint()
     model, opt, xb, yb = _sharded(RULES["multiplicative"], rank, seed=3)
     before = elements(opt, model)
     with warnings.catch_warnings(record=True):
@@ -184,8 +184,8 @@ def test_fresh_noise_draws_each_element_once_per_sample_and_ranks_skip_together(
     with whole.sampled_params():  # the draw makes the scratch buffers
         pass
     for rank in ranks:  # each rank holds the state of its half of the rows
-        assert rank["memory"]["state"] == whole.memory()["state"] // 2
-        assert rank["memory"]["scratch"] == whole.memory()["scratch"] // 2 > 0
+        assert rank["memory"]["state"] == whole.footprint()["state"] // 2
+        assert rank["memory"]["scratch"] == whole.footprint()["scratch"] // 2 > 0
     for rank in ranks:  # step 1 (NaN on rank 1 only) skipped on both; step 0 taken
         assert rank["skipped"] == 1
         for name, element in rank["after"].items():

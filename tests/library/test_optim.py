@@ -356,7 +356,7 @@ INVALID = [
     ("temperature", dict(temperature=-1.0)),
     ("prior_precision", dict(prior_precision=-0.1)),
     ("weight_decay", dict(weight_decay=-0.1)),
-    ("point_estimate", dict(point_estimate="median")),
+    ("point_at", dict(point_at="median")),
 ]
 
 
@@ -750,7 +750,7 @@ def test_parameters_without_grad_are_skipped():
 def test_multiplicative_point_estimate_mean_is_rayleigh_mean_times_difference():
     model, _, _ = make_problem()
     opt = lgb.MultiplicativeBLR(
-        model.parameters(), lr=0.1, data_size=1, point_estimate="mean", init="auto"
+        model.parameters(), lr=0.1, data_size=1, point_at="mean", init="auto"
     )
     w = model[0].weight
     parts = opt.group_element(w)
@@ -829,3 +829,24 @@ def test_all_rules_train_a_network(kind):
     before = point_loss(model, x, y)
     train(opt, model, x, y, 60)
     assert point_loss(model, x, y) < 0.85 * before
+
+
+def test_the_old_names_of_point_at_and_footprint_warn_and_still_work():
+    """``point_estimate=`` (now ``point_at=``, the block keeps the name), ``point_convention``
+    (now ``point_at``) and ``memory()`` (now ``footprint()``) work for one release, each with a
+    DeprecationWarning naming the new name."""
+    model, x, y = make_problem()
+    with pytest.warns(DeprecationWarning, match=r"point_estimate=\.\.\.\) is now point_at"):
+        old = lgb.MultiplicativeBLR(
+            model.parameters(), lr=0.1, data_size=1, point_estimate="mean", init="auto"
+        )
+    new = lgb.MultiplicativeBLR(
+        model.parameters(), lr=0.1, data_size=1, point_at="mean", init="auto"
+    )
+    assert old.point_at == new.point_at == "mean"
+    with pytest.warns(DeprecationWarning, match="point_convention is now point_at"):
+        assert old.point_convention == "mean"
+    old.step(closure_for(old, model, x, y))
+    with pytest.warns(DeprecationWarning, match=r"memory\(\) is now footprint\(\)"):
+        assert old.memory() == old.footprint()
+    assert old.footprint()["scratch"] > 0

@@ -57,7 +57,7 @@ def run(make, model, x, y, steps, autocast=False):
         ("multiplicative", 3, {}),
         ("affine", 3, {}),
         ("multiplicative", 1, {"signed": False}),
-        ("multiplicative", 1, {"point_estimate": "mean"}),
+        ("multiplicative", 1, {"point_at": "mean"}),
         ("multiplicative", 3, {"noise": "table"}),  # ξ: read-only views of the table
         ("affine", 2, {"noise": "table", "antithetic": True}),
     ],

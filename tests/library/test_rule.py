@@ -34,7 +34,7 @@ class PlainAdditive(Rule):
         for acc, g in zip(t.accs, grads, strict=True):
             acc.copy_(g) if first else acc.add_(g)
 
-    def propose(self, group, t, n, sample, offset, draw):
+    def propose(self, group, t, n, sample, offset, draw_next):
         grads = t.accs if sample is None else sample[1]
         for acc, m, g in zip(t.accs, t.momenta, grads, strict=True):
             torch.lerp(g * (1.0 / n), m, group["momentum"], out=acc)

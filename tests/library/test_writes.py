@@ -191,6 +191,9 @@ ADOPTING_CALLS = {
     "posterior": lambda opt, *_: opt.posterior(),
     "state_dict": lambda opt, *_: opt.state_dict(),
     "group_element": lambda opt, model, *_: opt.group_element(model[0].weight),
+    "draw": lambda opt, *_: opt.draw(train=False),
+    "discard": lambda opt, *_: opt.discard(),
+    "set_prior": lambda opt, *_: opt.set_prior(None),
 }
 
 
@@ -211,7 +214,7 @@ def test_the_write_warning_points_at_the_users_line(call, mode):
 def test_point_estimate_mean_divides_by_the_base_mean():
     model, _, _ = make_problem()
     opt = lgb.MultiplicativeBLR(
-        model.parameters(), lr=0.1, data_size=10, point_estimate="mean", init="auto"
+        model.parameters(), lr=0.1, data_size=10, point_at="mean", init="auto"
     )
     weights = other_weights(model)
     model.load_state_dict(weights)

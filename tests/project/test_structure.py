@@ -136,6 +136,64 @@ def test_the_engine_imports_no_optimizer_class():
     assert "rule.Rule" in imported and "holding.Holding" in imported
 
 
+def _reaches(tree: ast.AST, names: set[str]) -> list[str]:
+    """Each ``<name>.<a>.<b>`` (a chain of two attributes past one of ``names``, which may be
+    ``self._engine`` or a local alias of it) in ``tree``, as written."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            root = ast.unparse(node.value.value)
+            if root in names:
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_interface_calls_only_the_engines_own_operations():
+    """``base.py`` never reaches through the engine into its parts (``engine.holding.x``,
+    ``engine.status.x``, ``engine.shards.x``), never writes the engine's step state, and takes
+    and marks outside writes in one place, the decorator ``adopts_writes`` (the constructor
+    and ``load_state_dict``, whose post hooks follow, mark by hand)."""
+    tree = ast.parse((PACKAGE / "optim" / "base.py").read_text(encoding="utf-8"))
+    aliases = {"self._engine", "engine"}
+    assert not _reaches(tree, aliases)
+    source = ast.unparse(tree)
+    assert ".status" not in source
+    assert source.count("_writes.take(") == 0 and source.count("_writes.mark(") == 2
+    decorated = {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef)
+        and any("adopts_writes" in ast.unparse(d) for d in node.decorator_list)
+    }
+    public = {
+        "draw", "accumulate", "discard", "sampled_params", "point_estimate", "restore", "step",
+        "group_element", "set_group_element", "posterior", "set_prior", "next_task",
+        "state_dict", "add_param_group",
+    }  # fmt: skip
+    assert public <= decorated, public - decorated
+
+
+def test_the_holdings_and_the_writes_do_not_reach_into_the_engines_state():
+    """A holding gets what it needs (``Draws``: the noise source and three operations), not
+    the engine; the writes reach through the engine only to the optimizer's interface and
+    the rule, and write none of the step state they read."""
+    holding = ast.parse((PACKAGE / "optim" / "holding.py").read_text(encoding="utf-8"))
+    names = {n.id for n in ast.walk(holding) if isinstance(n, ast.Name)}
+    names |= {n.arg for n in ast.walk(holding) if isinstance(n, ast.arg)}
+    names |= {n.attr for n in ast.walk(holding) if isinstance(n, ast.Attribute)}
+    assert "engine" not in names and "status" not in names
+    writes = ast.parse((PACKAGE / "optim" / "writes.py").read_text(encoding="utf-8"))
+    chains = _reaches(writes, {"engine", "self.engine"})
+    assert chains and {c.split(".")[-2] for c in chains} <= {"optimizer", "rule"}, chains
+    targets = [
+        ast.unparse(t)
+        for n in ast.walk(writes)
+        if isinstance(n, (ast.Assign, ast.AugAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+    ]
+    assert not [t for t in targets if t.startswith(("self.step.", "step."))], targets
+
+
 def test_the_call_counter_counts_calls_and_crossings():
     """The counter itself: two calls from outside into the package, each calling the same
     file twice more, and the comprehension around them left out."""
