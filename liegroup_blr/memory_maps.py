@@ -41,9 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from ._laplace import jacobian_batch, laplace_moments, laplace_prior
-from .posterior import Posterior, PosteriorEntry, holder
+from .posterior import Posterior, PosteriorEntry, unwrap
 
 __all__ = [
+    "LIKELIHOODS",
     "METHODS",
     "REGIONS",
     "VARIANCES",
@@ -84,6 +85,9 @@ DEFAULT_VARIANCE = "posterior"
 """The variance source :func:`loo_nll` takes by default."""
 REDUCTIONS = ("mean", "sum", "none")
 LIKELIHOODS = ("categorical", "gaussian")
+"""Likelihoods of the outputs (``likelihood=`` here and of
+:class:`~liegroup_blr.MemorablePast`): ``"categorical"`` (softmax over the logits) and
+``"gaussian"`` (the predicted mean, noise variance σ²)."""
 CHANGES = ("probabilities", "logits")
 
 
@@ -145,43 +149,22 @@ class MemoryMap:
 
 # ------------------------------------------------------------------------ public
 def sensitivity(
-    model: nn.Module,
-    posterior: Posterior | Any,
-    inputs: Tensor,
-    targets: Tensor,
-    *,
-    samples: int = 64,
-    batch_size: int = 256,
-    generator: torch.Generator | None = None,
-    temperature: float | None = None,
-    method: str = "auto",
-    cross_class: bool = False,
-    change: str = "logits",
-    likelihood: str = "categorical",
-    noise_variance: float = 1.0,
+    model: nn.Module, posterior: Posterior | Any, inputs: Tensor, targets: Tensor, **options: Any
 ) -> Tensor:
     r"""Memory-map scores: per example, the estimated change of its logits if it were removed
     from training, :math:`\sum_k |v_{ik}e_{ik}|`: prediction variance times prediction error
     (a tensor ``[n]``; ``change="probabilities"`` for the change of its probabilities).
 
     The scores of :func:`memory_map`, which takes the same arguments and also returns the
-    prediction variances and residuals they are built from.
+    prediction variances and residuals they are built from: ``memory_map(model, posterior,
+    inputs, targets, **options).scores``.
+
+    Args:
+        options: the keywords of :func:`memory_map`: ``samples``, ``batch_size``,
+            ``generator``, ``temperature``, ``method``, ``cross_class``, ``change``,
+            ``likelihood``, ``noise_variance``, ``variance``, ``prior_precision``.
     """
-    return memory_map(
-        model,
-        posterior,
-        inputs,
-        targets,
-        samples=samples,
-        batch_size=batch_size,
-        generator=generator,
-        temperature=temperature,
-        method=method,
-        cross_class=cross_class,
-        change=change,
-        likelihood=likelihood,
-        noise_variance=noise_variance,
-    ).scores
+    return memory_map(model, posterior, inputs, targets, **options).scores
 
 
 def memory_map(
@@ -285,10 +268,10 @@ def prediction_variance(
     (:math:`v_i = \operatorname{diag} J_i\Sigma J_i^\top / \tau` or the sample variance over
     posterior samples, divided by τ), or ``[n, K, K]`` covariances with ``cross_class``.
     Arguments as :func:`memory_map`; needs no targets (test inputs too)."""
-    post, tau = _posterior(posterior, model, temperature)
+    post, tau = resolve_posterior(posterior, model, temperature)
     method = _method(post, method)
     _check_options(inputs, None, samples, batch_size, "categorical", 1.0, "probabilities")
-    with _evaluating(model):
+    with evaluating(model):
         moments = _moments(model, post, inputs, method, samples, batch_size, generator, cross_class)
         return torch.cat([V for _, _, V in moments]) / tau
 
@@ -423,14 +406,18 @@ def loo_nll(
 
 
 # ------------------------------------------------------------------- arguments
-def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tuple[Posterior, float]:
-    """The posterior and τ: a Posterior as it is, an optimizer read with
-    ``Posterior.from_optimizer``; τ = ``temperature`` if given, else the one the posterior
-    records (the optimizer's param groups')."""
+def resolve_posterior(
+    source: Any, model: nn.Module, temperature: float | None
+) -> tuple[Posterior, float]:
+    """The posterior and τ of a ``posterior=`` argument (here and of
+    :class:`~liegroup_blr.MemorablePast`): a Posterior as it is, an optimizer (or a wrapper of
+    one) read with ``Posterior.from_optimizer``; τ = ``temperature`` if given, else the one
+    the posterior records (the optimizer's param groups'). ValueError naming the argument for
+    a deterministic optimizer, a τ that differs between param groups, or τ ≤ 0."""
     if isinstance(source, Posterior):
         post = source
     else:
-        optimizer = holder(source)
+        optimizer = unwrap(source)
         if optimizer is None:
             raise ValueError(
                 f"posterior: expected a liegroup_blr.Posterior or a Lie-group BLR optimizer, got "
@@ -451,8 +438,10 @@ def _posterior(source: Any, model: nn.Module, temperature: float | None) -> tupl
     return post, float(tau)
 
 
-def _jacobian_ready(entry: PosteriorEntry) -> str | None:
-    """Why the Jacobian form cannot take ``entry`` (None if it can)."""
+def jacobian_obstacle(entry: PosteriorEntry) -> str | None:
+    """Why the Jacobian form (a diagonal covariance of finite variances) cannot take
+    ``entry``, in words, or None if it can; what :class:`~liegroup_blr.MemorablePast`'s
+    posterior kernels need too."""
     if not entry.group.elementwise:
         return f"its group {type(entry.group).__name__} gives no diagonal covariance"
     if not math.isfinite(float(entry.base.variance)):
@@ -468,7 +457,7 @@ def _method(post: Posterior, method: str) -> str:
         raise ValueError("posterior: holds no entries (no parameter was trained)")
     if method == "samples":
         return method
-    reasons = {k: _jacobian_ready(e) for k, e in post.items()}
+    reasons = {k: jacobian_obstacle(e) for k, e in post.items()}
     if method == "auto":
         gaussian_like = all(e.group.gaussian_like for e in post.values())
         return "jacobian" if gaussian_like and not any(reasons.values()) else "samples"
@@ -513,7 +502,9 @@ def _check_options(
 
 
 @contextmanager
-def _evaluating(model: nn.Module) -> Iterator[None]:
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, in its previous mode after it (also on error);
+    what the memory maps and :class:`~liegroup_blr.MemorablePast` run the model in."""
     was_training = model.training
     model.eval()
     try:
@@ -537,7 +528,7 @@ def _moments(
     (co)variance under the posterior (tempered: not yet divided by τ)."""
     device = next(iter(post.values())).element.device
     if method == "jacobian":
-        at_mean = post.with_point_estimate("mean")
+        at_mean = post.with_point_at("mean")
         with at_mean.at_point_estimate(model):  # ValueError if names or shapes differ
             named = dict(model.named_parameters())
             order = list(named)
@@ -640,12 +631,12 @@ def _batches(
     argument, now); returns the function that then yields, per batch, its targets, the logits
     at the mean and their untempered (co)variance (:func:`_untempered`, the model in eval
     mode), with the method and the source."""
-    post, tau = _posterior(posterior, model, temperature)
+    post, tau = resolve_posterior(posterior, model, temperature)
     method = _method(post, method)
     source = _source(variance)
 
     def batches(*options: Any) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        with _evaluating(model):
+        with evaluating(model):
             for rows, f, V in _untempered(
                 model, posterior, post, tau, inputs, targets, source, method, *options
             ):
