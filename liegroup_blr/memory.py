@@ -1,0 +1,36 @@
+"""Deprecated: the memory maps are :mod:`liegroup_blr.memory_maps`; this module re-exports
+its public names, with a ``DeprecationWarning`` on import, for one release."""
+
+from __future__ import annotations
+
+import warnings
+
+from .memory_maps import LOO_FORMS as LOO_FORMS
+from .memory_maps import (
+    METHODS,
+    REGIONS,
+    VARIANCES,
+    MemoryMap,
+    loo_nll,
+    memory_map,
+    prediction_variance,
+    sensitivity,
+)
+
+__all__ = [
+    "METHODS",
+    "REGIONS",
+    "VARIANCES",
+    "MemoryMap",
+    "loo_nll",
+    "memory_map",
+    "prediction_variance",
+    "sensitivity",
+]
+
+warnings.warn(
+    "liegroup_blr.memory is deprecated: the memory maps are liegroup_blr.memory_maps; import "
+    "from it (the same names)",
+    DeprecationWarning,
+    stacklevel=2,
+)
