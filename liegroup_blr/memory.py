@@ -5,28 +5,9 @@ from __future__ import annotations
 
 import warnings
 
+from .memory_maps import *  # noqa: F403  (the same public names)
 from .memory_maps import LOO_FORMS as LOO_FORMS
-from .memory_maps import (
-    METHODS,
-    REGIONS,
-    VARIANCES,
-    MemoryMap,
-    loo_nll,
-    memory_map,
-    prediction_variance,
-    sensitivity,
-)
-
-__all__ = [
-    "METHODS",
-    "REGIONS",
-    "VARIANCES",
-    "MemoryMap",
-    "loo_nll",
-    "memory_map",
-    "prediction_variance",
-    "sensitivity",
-]
+from .memory_maps import __all__ as __all__
 
 warnings.warn(
     "liegroup_blr.memory is deprecated: the memory maps are liegroup_blr.memory_maps; import "
