@@ -8,6 +8,9 @@ the group's exponential map with reparameterised gradients. The optimizers are d
     opt = lgb.AdditiveBLR(model.parameters(), lr=0.05, data_size=len(train_set))
 """
 
+import warnings
+from typing import Any
+
 from . import (
     distributions,
     fisher,
@@ -15,7 +18,7 @@ from . import (
     kl,
     mc,
     memorable,
-    memory,
+    memory_maps,
     noise,
     optim,
     posterior,
@@ -24,7 +27,7 @@ from . import (
 )
 from .mc import mc_step
 from .memorable import MemorablePast
-from .memory import MemoryMap, loo_nll, memory_map, sensitivity
+from .memory_maps import MemoryMap, loo_nll, memory_map, sensitivity
 from .optim import AdditiveBLR, AffineBLR, LieGroupBLR, MultiplicativeBLR
 from .posterior import Posterior
 
@@ -44,8 +47,8 @@ __all__ = [
     "mc",
     "mc_step",
     "memorable",
-    "memory",
     "memory_map",
+    "memory_maps",
     "noise",
     "optim",
     "posterior",
@@ -54,3 +57,16 @@ __all__ = [
     "sharding",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``liegroup_blr.memory``, the deprecated name of :mod:`liegroup_blr.memory_maps`, for
+    one release (a ``DeprecationWarning``)."""
+    if name == "memory":
+        warnings.warn(
+            "liegroup_blr.memory is deprecated: the memory maps are liegroup_blr.memory_maps",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return memory_maps
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-r"""The prediction variances of :func:`~liegroup_blr.memory.loo_nll` and
-:func:`~liegroup_blr.memory.memory_map` by Jacobians: a diagonal posterior's
+r"""The prediction variances of :func:`~liegroup_blr.memory_maps.loo_nll` and
+:func:`~liegroup_blr.memory_maps.memory_map` by Jacobians: a diagonal posterior's
 :math:`J\Sigma J^\top` (:func:`jacobian_batch`), and the Laplace posteriors at a trained mean
 (:func:`laplace_moments`): precision :math:`N\bar G + \delta I`, :math:`\bar G` the mean GGN
 :math:`J_i^\top\Lambda_iJ_i` over the inputs (its diagonal, its K-FAC per ``nn.Linear``
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from .posterior import Posterior, holder
+from .posterior import Posterior, unwrap
 
 __all__ = ["jacobian_batch", "laplace_moments", "laplace_prior"]
 
@@ -55,7 +55,7 @@ def laplace_prior(
     param groups' (``prior_precision`` plus ``weight_decay`` × N, all groups alike); N the
     posterior's recorded data size (None: the number of inputs)."""
     if prior_precision is None:
-        optimizer = None if isinstance(source, Posterior) else holder(source)
+        optimizer = None if isinstance(source, Posterior) else unwrap(source)
         if optimizer is None:
             raise ValueError(
                 "prior_precision: a Posterior does not record its prior precision δ; pass it "
@@ -84,7 +84,7 @@ def laplace_prior(
 def mean_params(model: nn.Module, post: Posterior) -> tuple[dict[str, Tensor], list[str]]:
     """The posterior mean as a name → tensor dict for ``functional_call``, and the names in
     the posterior's order."""
-    at_mean = post.with_point_estimate("mean")
+    at_mean = post.with_point_at("mean")
     with at_mean.at_point_estimate(model):  # ValueError if names or shapes differ
         named = dict(model.named_parameters())
         order = list(named)

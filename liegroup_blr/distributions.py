@@ -302,18 +302,20 @@ def _fill_exponential(
         out.exponential_(float(base.rate), generator=generator)
 
 
-def _fill_cauchy(base: Cauchy, outs: list[Tensor], generator: torch.Generator | None) -> None:
-    loc, scale = float(base.loc), float(base.scale)
-    for out in outs:
-        out.cauchy_(loc, scale, generator=generator)
+def _fill_loc_scale(
+    sampler: str,
+) -> Callable[[Cauchy | LogNormal, list[Tensor], torch.Generator | None], None]:
+    """The in-place sampler of a ``(loc, scale)`` family by the ``Tensor`` method ``sampler``
+    (``"cauchy_"``, ``"log_normal_"``)."""
 
+    def fill(
+        base: Cauchy | LogNormal, outs: list[Tensor], generator: torch.Generator | None
+    ) -> None:
+        loc, scale = float(base.loc), float(base.scale)
+        for out in outs:
+            getattr(out, sampler)(loc, scale, generator=generator)
 
-def _fill_log_normal(
-    base: LogNormal, outs: list[Tensor], generator: torch.Generator | None
-) -> None:
-    loc, scale = float(base.loc), float(base.scale)
-    for out in outs:
-        out.log_normal_(loc, scale, generator=generator)
+    return fill
 
 
 def _fill_student_t(base: StudentT, outs: list[Tensor], generator: torch.Generator | None) -> None:
@@ -548,28 +550,27 @@ def _student_t(scale: float, df: float = 3.0) -> StudentT:
     return StudentT(df, 0.0, scale)
 
 
-register_base(
-    Normal,
-    ("loc", "scale"),
-    fill=_fill_normal,
-    location_fisher=lambda b: 1 / float(b.scale) ** 2,
-    scale_fisher=lambda b: _centred(b, 2.0),
-    centre=_loc,
-    location_scale_kl=_normal_kl,
-    name="gaussian",
-    build=lambda scale: Normal(0.0, scale),
-)
-register_base(
-    Laplace,
-    ("loc", "scale"),
-    fill=_fill_laplace,
-    location_fisher=lambda b: 1 / float(b.scale) ** 2,
-    scale_fisher=lambda b: _centred(b, 1.0),
-    centre=_loc,
-    location_scale_kl=_laplace_kl,
-    name="laplace",
-    build=lambda scale: Laplace(0.0, scale),
-)
+def _register_location_scale(
+    cls: type[Normal] | type[Laplace], fill: Any, scale_fisher: float, kl: Any, name: str
+) -> None:
+    """Register a location-scale family of the library (``cls(loc, scale)``): the location's
+    Fisher information 1/scale², the log-scale's ``scale_fisher`` where centred, its closed
+    form KL ``kl``; built from a name as ``cls(0, scale)``."""
+    register_base(
+        cls,
+        ("loc", "scale"),
+        fill=fill,
+        location_fisher=lambda b: 1 / float(b.scale) ** 2,
+        scale_fisher=lambda b: _centred(b, scale_fisher),
+        centre=_loc,
+        location_scale_kl=kl,
+        name=name,
+        build=lambda scale: cls(0.0, scale),
+    )
+
+
+_register_location_scale(Normal, _fill_normal, 2.0, _normal_kl, "gaussian")
+_register_location_scale(Laplace, _fill_laplace, 1.0, _laplace_kl, "laplace")
 register_base(
     Uniform,
     ("low", "high"),
@@ -605,8 +606,8 @@ register_base(
     density=False,
     name="dirac",
 )
-register_base(Cauchy, ("loc", "scale"), fill=_fill_cauchy, centre=_loc)
+register_base(Cauchy, ("loc", "scale"), fill=_fill_loc_scale("cauchy_"), centre=_loc)
 register_base(Exponential, ("rate",), fill=_fill_exponential)
-register_base(LogNormal, ("loc", "scale"), fill=_fill_log_normal)
+register_base(LogNormal, ("loc", "scale"), fill=_fill_loc_scale("log_normal_"))
 NAMES: tuple[str, ...] = tuple(f.name for f in _FAMILIES.values() if f.name)
 """Names accepted by :func:`from_name` (those of the built-in families)."""

@@ -44,7 +44,7 @@ previous posterior as prior then minimises :math:`\mathbb E_q[\bar\ell_t + \lamb
   *logits*, :math:`r_j = \frac12\Delta_j^\top K_j^{-1}\Delta_j`,
   :math:`K_j = J_j\Sigma J_j^\top/\tau` the example's class × class block of the logits'
   covariance under the posterior that ended its task
-  (:func:`~liegroup_blr.memory.prediction_variance` with ``cross_class=True``): the kernel is
+  (:func:`~liegroup_blr.memory_maps.prediction_variance` with ``cross_class=True``): the kernel is
   block-diagonal over the examples. For a linear-Gaussian model the weight-space prior
   :math:`\frac12(\theta-\theta_1)^\top\Sigma_1^{-1}(\theta-\theta_1)` equals
   :math:`\frac12\Delta^\top(X\Sigma_1X^\top)^{-1}\Delta` on :math:`d` memory points with
@@ -82,23 +82,24 @@ from torch.func import functional_call, jacrev, vmap
 from torch.nn.functional import cross_entropy, log_softmax, softmax
 
 from . import posterior_io
-from .memory import (
-    _evaluating,
-    _jacobian_ready,
-    _posterior,
+from .memory_maps import (
+    LIKELIHOODS,
+    evaluating,
+    jacobian_obstacle,
     prediction_variance,
+    resolve_posterior,
     sensitivity,
 )
 from .posterior import Posterior
 
-__all__ = ["LIKELIHOODS", "SELECTIONS", "USES", "MemorablePast"]
+__all__ = ["SELECTIONS", "USES", "MemorablePast"]
 
 SELECTIONS = ("lambda", "random", "sensitivity")
 """How :meth:`~liegroup_blr.MemorablePast.add_task` chooses a task's examples: ``"lambda"``
 (FROMP's memorable points: the highest :math:`\\lambda_i = \\sum_k p_{ik}(1 - p_{ik})` at the
 model's outputs, class-balanced; categorical only, the categorical default), ``"random"``
 (uniformly, without replacement: the control, and the Gaussian default) or
-``"sensitivity"`` (the highest :func:`~liegroup_blr.memory.sensitivity` scores; needs a
+``"sensitivity"`` (the highest :func:`~liegroup_blr.memory_maps.sensitivity` scores; needs a
 posterior)."""
 
 _DEFAULT_SELECTIONS = {"categorical": "lambda", "gaussian": "random"}
@@ -114,10 +115,6 @@ refreshed by :meth:`~liegroup_blr.MemorablePast.refresh` from a posterior or a d
 covariance), ``"fromp_logits"`` (the logits' distance in per-example class × class inverse
 kernels, fixed when the task is added; needs a posterior) or ``"replay"`` (the hard labels:
 the control)."""
-
-LIKELIHOODS = ("categorical", "gaussian")
-"""Likelihoods of the outputs, ``"categorical"`` (softmax over the logits) and
-``"gaussian"`` (the predicted mean, noise variance σ²)."""
 
 _FIELDS = ("inputs", "targets", "tasks", "scores", "outputs_old", "kernel_inverse")
 _SETTINGS = ("per_task", "selection", "use", "likelihood", "noise_variance")
@@ -259,12 +256,12 @@ class MemorablePast:
         first) and keeps the highest :math:`\lambda_i = \sum_k p_{ik}(1 - p_{ik})`,
         :math:`p_i = \operatorname{softmax} f(x_i)`, of each class, class after class in
         descending λ. ``"sensitivity"`` keeps the highest
-        :func:`~liegroup_blr.memory.sensitivity` scores in descending order; ``"random"`` a
+        :func:`~liegroup_blr.memory_maps.sensitivity` scores in descending order; ``"random"`` a
         uniform draw, scoring nothing. The outputs are the model's as it holds its
         parameters now (a BLR optimizer's point estimate between steps), in eval mode, with
         no gradient. ``"fromp_logits"`` also stores :math:`K_j^{-1}`, :math:`K_j` the
         example's class × class block of :math:`J\Sigma J^\top/\tau`
-        (:func:`~liegroup_blr.memory.prediction_variance`, ``cross_class=True``) plus
+        (:func:`~liegroup_blr.memory_maps.prediction_variance`, ``cross_class=True``) plus
         :math:`10^{-6}` times the mean of the kept examples' prediction variances times
         the identity; ``"fromp"`` computes its kernels in :meth:`refresh`.
 
@@ -284,12 +281,12 @@ class MemorablePast:
             targets: ``[n]`` their labels in ``[0, K)`` (Gaussian: ``[n]`` or ``[n, K]``
                 values).
             samples: posterior samples of the sensitivity scores and the kernel where they
-                are estimated by sampling (:func:`~liegroup_blr.memory.memory_map`).
+                are estimated by sampling (:func:`~liegroup_blr.memory_maps.memory_map`).
             batch_size: examples per batch through the model.
             generator: draws the posterior samples or the random choice (default: torch's
                 global generator).
             temperature: τ the posterior was trained at, for the sensitivity scores and the
-                kernel (:func:`~liegroup_blr.memory.memory_map`'s ``temperature``); default:
+                kernel (:func:`~liegroup_blr.memory_maps.memory_map`'s ``temperature``); default:
                 the one the optimizer or the Posterior holds.
 
         Returns:
@@ -382,7 +379,7 @@ class MemorablePast:
         parameter = next(iter(model.parameters()), None)
         device = inputs.device if parameter is None else parameter.device
         parts = []
-        with torch.no_grad(), _evaluating(model):
+        with torch.no_grad(), evaluating(model):
             for start in range(0, len(inputs), batch_size):
                 x = inputs[start : start + batch_size].to(device)
                 parts.append(model(x).reshape(len(x), -1))
@@ -461,7 +458,7 @@ class MemorablePast:
                   K_{t,c}^{-1} \leftarrow (J_{t,c}\Sigma J_{t,c}^\top + \varepsilon I)^{-1}.
 
         :math:`\Sigma` is diagonal: ``posterior``'s coordinate variances divided by τ (the
-        untempered covariance, as :func:`~liegroup_blr.memory.prediction_variance`), or
+        untempered covariance, as :func:`~liegroup_blr.memory_maps.prediction_variance`), or
         ``covariance`` as given. Weights without a variance are held fixed. Everything after
         ``model`` is keyword-only::
 
@@ -518,7 +515,7 @@ class MemorablePast:
             variances = _given_variances(named, covariance)
         params = {n: named[n].detach() for n in variances}
         outputs, inverses = [], []
-        with _evaluating(model):
+        with evaluating(model):
             for t in range(self.num_tasks):
                 x = self.inputs[self.tasks == t]
                 f, kernel = self._task_kernel(model, params, variances, x, head, t, batch_size)
@@ -730,13 +727,13 @@ def _posterior_variances(
     model: nn.Module, named: Mapping[str, Tensor], posterior: Any, temperature: float | None
 ) -> dict[str, Tensor]:
     """Per parameter name, the posterior's coordinate variances over τ: a diagonal Σ."""
-    post, tau = _posterior(posterior, model, temperature)
+    post, tau = resolve_posterior(posterior, model, temperature)
     if not len(post):
         raise ValueError("posterior: holds no entries (no parameter was trained)")
     order = list(named)
     variances = {}
     for key, entry in post.items():
-        reason = _jacobian_ready(entry)
+        reason = jacobian_obstacle(entry)
         if reason is not None:
             raise ValueError(
                 f"posterior: entry {key!r}: {reason}; pass covariance= (a diagonal one) instead"

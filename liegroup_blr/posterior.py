@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,18 +30,33 @@ from torch import Tensor, nn
 from torch.distributions import Distribution
 
 from . import posterior_io
+from ._userline import warn
 from .distributions import check_base, sample_into
 from .groups import LieGroup
 
-__all__ = ["Posterior", "PosteriorEntry", "holder", "wrapped"]
+__all__ = ["POINT_AT", "Posterior", "PosteriorEntry", "holder", "unwrap", "wrapped"]
 
-_POINT_ESTIMATES = ("g", "mean")
+_PACKAGE = os.path.dirname(__file__) + os.sep
+
+POINT_AT = ("g", "mean")
+"""Where a point estimate is read (``point_at=`` of a :class:`~liegroup_blr.Posterior` and of
+the optimizers): ``"g"``, θ = readout(g·ξ₀) at the group's reference point ξ₀, or ``"mean"``,
+θ = readout(g·E[ξ]) at the base's mean in every coordinate."""
 
 
-def wrapped(optimizer: Any) -> Iterator[Any]:
-    """``optimizer`` and each optimizer it wraps, outermost first: Lightning's
-    ``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``, anything holding the next as
-    ``.optimizer`` or ``._optimizer`` (a cycle ends the chain)."""
+def unwrap(optimizer: Any) -> Any:
+    """The Lie-group BLR optimizer ``optimizer`` is or wraps, or ``None`` when it holds none (a
+    deterministic optimizer such as ``torch.optim.SGD``).
+
+    Wrappers are followed through ``.optimizer`` and ``._optimizer``, wrappers of wrappers
+    included, outermost first (a cycle ends the chain): Lightning's ``LightningOptimizer``,
+    accelerate's ``AcceleratedOptimizer``. The first object of the chain that holds a
+    posterior (has a ``posterior()`` method) is returned."""
+    return next((o for o in _chain(optimizer) if callable(getattr(o, "posterior", None))), None)
+
+
+def _chain(optimizer: Any) -> Iterator[Any]:
+    """``optimizer`` and each optimizer it wraps, outermost first (:func:`unwrap`)."""
     seen = set()
     while optimizer is not None and id(optimizer) not in seen:
         yield optimizer
@@ -48,10 +64,23 @@ def wrapped(optimizer: Any) -> Iterator[Any]:
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
 
 
+def wrapped(optimizer: Any) -> Iterator[Any]:
+    """``optimizer`` and each optimizer it wraps, outermost first: Lightning's
+    ``LightningOptimizer``, accelerate's ``AcceleratedOptimizer``, anything holding the next as
+    ``.optimizer`` or ``._optimizer`` (a cycle ends the chain).
+
+    Deprecated: use :func:`unwrap`, which returns the Lie-group optimizer of the chain.
+    """
+    return _chain(optimizer)
+
+
 def holder(optimizer: Any) -> Any:
-    """The optimizer of a chain of wrappers (:func:`wrapped`) that holds a posterior (has
-    ``posterior()``: a Lie-group BLR optimizer), or ``None``."""
-    return next((o for o in wrapped(optimizer) if callable(getattr(o, "posterior", None))), None)
+    """The optimizer of a chain of wrappers that holds a posterior, or ``None``.
+
+    Deprecated: use :func:`unwrap`, the same function under its one name.
+    """
+    warn("posterior.holder is deprecated; use liegroup_blr.posterior.unwrap", DeprecationWarning)
+    return unwrap(optimizer)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,16 +124,19 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
 
     It records what its consumers need besides the elements: the temperature τ of the rule
     that learned it (a rule at τ learns about τ times the posterior covariance, which
-    :func:`~liegroup_blr.memory.sensitivity`, :func:`~liegroup_blr.memory.loo_nll`,
-    :func:`~liegroup_blr.memory.memory_map` and :meth:`~liegroup_blr.MemorablePast.add_task` divide
-    by) and the data size N it was trained at. The likelihood is not recorded: the optimizer
+    :func:`~liegroup_blr.memory_maps.sensitivity`,
+    :func:`~liegroup_blr.memory_maps.loo_nll`, :func:`~liegroup_blr.memory_maps.memory_map`
+    and :meth:`~liegroup_blr.MemorablePast.add_task` divide by) and the data size N it was
+    trained at. The likelihood is not recorded: the optimizer
     never sees it (the closure's loss is it), so those functions take it as an argument, from
     a posterior as from an optimizer.
 
     Args:
         entries: the entries, by key.
-        point_estimate: ``"g"`` (θ read at the group's reference point ξ₀) or ``"mean"``
-            (θ read at E[ξ]), as the optimizer's ``point_estimate``.
+        point_at: where the point estimate is read (:data:`~liegroup_blr.posterior.POINT_AT`):
+            ``"g"`` (θ read at the group's reference point ξ₀) or ``"mean"`` (θ read at
+            E[ξ]), as the optimizer's ``point_at``. ``point_estimate=`` is its deprecated
+            name.
         missing: keys of the optimizer's parameters that had no state (never trained).
         size: the number of positions of a posterior keyed by position (entries and
             missing ones): the length of ``model.parameters()`` it applies to.
@@ -115,7 +147,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
             group).
 
     Attributes:
-        point_estimate: ``"g"`` or ``"mean"``.
+        point_at: ``"g"`` or ``"mean"`` (:attr:`point_estimate` is its deprecated name).
         missing: keys left out for want of optimizer state.
         size: positions of a posterior keyed by position, else ``None``.
         by_position: whether keys are positions.
@@ -130,14 +162,24 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         self,
         entries: Mapping[str | int, PosteriorEntry],
         *,
-        point_estimate: str = "g",
+        point_at: str = "g",
         missing: Sequence[str | int] = (),
         size: int | None = None,
         temperature: float | None = 1.0,
         data_size: float | None = None,
+        point_estimate: str | None = None,
     ) -> None:
-        if point_estimate not in _POINT_ESTIMATES:
-            raise ValueError(f"point_estimate: must be one of {_POINT_ESTIMATES}")
+        if point_estimate is not None:
+            # TRANSITIONAL (issue 51): optim/base.py still passes point_estimate=; the
+            # library's own call does not warn. Drop the condition once it passes point_at=.
+            if not sys._getframe(1).f_code.co_filename.startswith(_PACKAGE):
+                warn(
+                    "Posterior: point_estimate= is deprecated; pass point_at= (the same values)",
+                    DeprecationWarning,
+                )
+            point_at = point_estimate
+        if point_at not in POINT_AT:
+            raise ValueError(f"point_at: must be one of {POINT_AT}")
         keys = [*entries, *missing]
         kinds = {type(k) for k in keys}
         if not kinds <= {str} and not kinds <= {int}:
@@ -152,10 +194,10 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
                 raise ValueError(f"size: {size} positions do not hold every key")
         for key, entry in entries.items():
             entry.check(key)
-            if point_estimate == "mean" and not torch.isfinite(entry.base.mean).all():
-                raise ValueError(f"point_estimate: 'mean' needs a finite E[ξ] (entry {key!r})")
+            if point_at == "mean" and not torch.isfinite(entry.base.mean).all():
+                raise ValueError(f"point_at: 'mean' needs a finite E[ξ] (entry {key!r})")
         self._entries = dict(entries)
-        self.point_estimate = point_estimate
+        self.point_at = point_at
         self.missing: list[str | int] = list(missing)
         self.size = size if self.by_position else None
         self.temperature = _recorded("temperature", temperature, positive=False)
@@ -174,7 +216,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
     def __repr__(self) -> str:
         keyed = "position" if self.by_position else "name"
         head = (
-            f"Posterior({len(self)} entries by {keyed}, point_estimate={self.point_estimate!r}"
+            f"Posterior({len(self)} entries by {keyed}, point_at={self.point_at!r}"
             + f", temperature={self.temperature!r}, data_size={self.data_size!r}"
             + (f", missing={self.missing}" if self.missing else "")
             + ")"
@@ -203,7 +245,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
             TypeError: ``optimizer`` holds no Lie-group optimizer.
             ValueError: ``model`` lacks one of the optimizer's parameters.
         """
-        source = holder(optimizer)
+        source = unwrap(optimizer)
         if source is None:
             raise TypeError(
                 f"optimizer: a Lie-group BLR optimizer (or a wrapper holding one as .optimizer) "
@@ -211,18 +253,25 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
             )
         return source.posterior(model)
 
+    def with_point_at(self, point_at: str) -> Posterior:
+        """The same posterior with its point estimate read at ``point_at`` (``"g"`` or
+        ``"mean"``, :data:`~liegroup_blr.posterior.POINT_AT`): the point estimates (and what a
+        posterior as prior means) change, the samples do not."""
+        return self._like(self._entries, point_at)
+
     def with_point_estimate(self, point_estimate: str) -> Posterior:
-        """The same posterior with its point estimate read at ``point_estimate`` (``"g"`` or
-        ``"mean"``): the point estimates (and what a posterior as prior means) change, the
-        samples do not."""
-        return Posterior(
-            self._entries,
-            point_estimate=point_estimate,
-            missing=self.missing,
-            size=self.size,
-            temperature=self.temperature,
-            data_size=self.data_size,
+        """Deprecated name of :meth:`with_point_at`."""
+        warn(
+            "Posterior.with_point_estimate is deprecated; use with_point_at (the same values)",
+            DeprecationWarning,
         )
+        return self.with_point_at(point_estimate)
+
+    @property
+    def point_estimate(self) -> str:
+        """Deprecated name of :attr:`point_at`."""
+        warn("Posterior.point_estimate is deprecated; read point_at", DeprecationWarning)
+        return self.point_at
 
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -234,10 +283,14 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         }
         return self._like(entries)
 
-    def _like(self, entries: Mapping[str | int, PosteriorEntry]) -> Posterior:
+    def _like(
+        self, entries: Mapping[str | int, PosteriorEntry], point_at: str | None = None
+    ) -> Posterior:
+        """A posterior of ``entries`` with this one's options (``point_at``, if given, in place
+        of its own)."""
         return Posterior(
             entries,
-            point_estimate=self.point_estimate,
+            point_at=self.point_at if point_at is None else point_at,
             missing=self.missing,
             size=self.size,
             temperature=self.temperature,
@@ -252,7 +305,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         the temperature and data size (:mod:`liegroup_blr.posterior_io`, format version 2)."""
         return posterior_io.state_dict(
             self.items(),
-            point_estimate=self.point_estimate,
+            point_at=self.point_at,
             size=self.size,
             missing=self.missing,
             temperature=self.temperature,
@@ -340,7 +393,7 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         reference point (``"g"``) or E[ξ] in every coordinate (``"mean"``)."""
         out = {}
         for key, e in self.items():
-            mean = float(e.base.mean) if self.point_estimate == "mean" else None
+            mean = float(e.base.mean) if self.point_at == "mean" else None
             out[key] = e.group.point(e.element, mean).reshape(e.shape)
         return out
 

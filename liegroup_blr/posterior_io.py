@@ -55,14 +55,14 @@ READS = (1, 2)
 def state_dict(
     items: Iterable[tuple[str | int, Entry]],
     *,
-    point_estimate: str,
+    point_at: str,
     size: int | None,
     missing: Iterable[str | int],
     temperature: float | None,
     data_size: float | None,
 ) -> dict[str, Any]:
     """:meth:`Posterior.state_dict <liegroup_blr.Posterior.state_dict>` of the entries
-    ``items`` (key, entry) and the posterior's convention, size, missing keys, temperature
+    ``items`` (key, entry) and the posterior's ``point_at``, size, missing keys, temperature
     and data size."""
     groups: dict[int, int] = {}
     bases: dict[int, int] = {}
@@ -88,7 +88,7 @@ def state_dict(
     return {
         "format": FORMAT,
         "version": VERSION,
-        "point_estimate": point_estimate,
+        "point_estimate": point_at,  # the key of every version: files stay as they were
         "size": size,
         "missing": list(missing),
         "temperature": temperature,
@@ -132,7 +132,8 @@ def entries(
                 _restore(state_dict["bases"][row["base"]], key, bases, "bases"),
                 torch.Size(row["shape"]),
             )
-        options = {k: state_dict[k] for k in ("point_estimate", "missing", "size")}
+        options = {k: state_dict[k] for k in ("missing", "size")}
+        options["point_at"] = state_dict["point_estimate"]
         if version >= 2:
             options["temperature"] = state_dict["temperature"]
             options["data_size"] = state_dict["data_size"]

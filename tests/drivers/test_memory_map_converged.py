@@ -157,7 +157,7 @@ def test_multiplicative_retraining_moves_nothing_unless_an_example_is_removed(sc
 def test_the_posterior_at_the_starting_parameters_is_the_trained_one(which, request):
     r = request.getfixturevalue(which)
     post = r.posterior(r.start)
-    assert list(post) == list(r.post) and post.point_estimate == r.post.point_estimate
+    assert list(post) == list(r.post) and post.point_at == r.post.point_at
     for key, entry in r.post.items():
         assert post[key].element.dtype == entry.element.dtype
         torch.testing.assert_close(post[key].element, entry.element, rtol=1e-6, atol=1e-7)

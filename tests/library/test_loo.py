@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
-from liegroup_blr.memory import LOO_FORMS, memory_map
+from liegroup_blr.memory_maps import LOO_FORMS, memory_map
 from tests.library.test_sensitivity import F64, Regression, _affine_posterior, _classifier
 
 

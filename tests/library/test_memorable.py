@@ -496,7 +496,7 @@ def test_lie_group_blr_optimizers_give_fromp_logits_its_kernel() -> None:
     chosen = memory.add_task(
         model, posterior=affine, inputs=x, targets=y
     )  # method auto: the Jacobian form
-    V = lgb.memory.prediction_variance(model, affine, x[chosen], cross_class=True).double()
+    V = lgb.memory_maps.prediction_variance(model, affine, x[chosen], cross_class=True).double()
     V = V + 1e-6 * V.diagonal(dim1=-2, dim2=-1).mean() * torch.eye(K, dtype=torch.float64)
     identity = torch.eye(K, dtype=torch.float64).expand(6, K, K)
     assert torch.allclose(memory.kernel_inverse.double() @ V, identity, atol=1e-4)

@@ -34,7 +34,7 @@ from liegroup_blr.groups import (
 )
 from liegroup_blr.groups.base import Shape
 from liegroup_blr.kl import has_closed_form, kl_divergence, kl_gradient
-from liegroup_blr.memory import memory_map
+from liegroup_blr.memory_maps import memory_map
 from liegroup_blr.posterior import Posterior, PosteriorEntry
 
 F64 = torch.float64

@@ -152,7 +152,7 @@ def blank(model: nn.Module) -> nn.Module:
 def test_point_estimate_is_what_the_optimizer_writes(rule: str, point_estimate: str) -> None:
     model, opt = trained(rule, point_estimate)
     post = Posterior.from_optimizer(opt, model)
-    assert post.point_estimate == point_estimate
+    assert post.point_at == point_estimate
     other = blank(model)
     with post.at_point_estimate(other):
         assert same(values(other), values(model))
@@ -346,7 +346,7 @@ def _leaves(obj: Any) -> list[Any]:
 
 def assert_same_posterior(a: Posterior, b: Posterior) -> None:
     assert list(a) == list(b)
-    assert (a.point_estimate, a.missing, a.size) == (b.point_estimate, b.missing, b.size)
+    assert (a.point_at, a.missing, a.size) == (b.point_at, b.missing, b.size)
     assert (a.temperature, a.data_size) == (b.temperature, b.data_size)
     for key in a:
         x, y = a[key], b[key]
@@ -503,7 +503,7 @@ def test_repr_len_iteration_and_to() -> None:
     post = Posterior.from_optimizer(opt, model)
     text = repr(post)
     assert text.splitlines()[0] == (
-        "Posterior(4 entries by name, point_estimate='mean', temperature=1.0, data_size=100.0)"
+        "Posterior(4 entries by name, point_at='mean', temperature=1.0, data_size=100.0)"
     )
     assert "  0.weight: (6, 4) DiagonalAffineGroup() Normal(loc=0.3, scale=0.1)" in text
     assert len(post) == 4 and list(post) == ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -518,9 +518,58 @@ def test_invalid_construction_is_refused() -> None:
     model, opt = trained("affine")
     post = Posterior.from_optimizer(opt, model)
     entry = post["0.bias"]
-    with pytest.raises(ValueError, match=r"^point_estimate"):
-        Posterior(dict(post), point_estimate="median")
+    with pytest.raises(ValueError, match=r"^point_at"):
+        Posterior(dict(post), point_at="median")
     with pytest.raises(ValueError, match=r"^element: entry 'b' has shape \(2, 6\)"):
         Posterior({"b": type(entry)(entry.element, entry.group, entry.base, torch.Size([5]))})
     with pytest.raises(ValueError, match="all parameter names or all positions"):
         Posterior({"b": entry, 0: entry})
+
+
+# ------------------------------------------------------------------ deprecated names
+def test_point_estimate_is_the_deprecated_name_of_point_at(tmp_path) -> None:
+    """``point_estimate=``, ``.point_estimate`` and ``with_point_estimate`` still work, with a
+    DeprecationWarning each; nothing warns where the new names are used; a file keeps its
+    ``"point_estimate"`` key and loads into ``point_at``."""
+    model, opt = trained("affine", "mean")
+    post = Posterior.from_optimizer(opt, model)
+    assert post.point_at == "mean"
+    with pytest.warns(DeprecationWarning, match="point_at="):
+        old = Posterior(dict(post), point_estimate="mean")
+    assert old.point_at == "mean"
+    assert same([*old.point_estimates().values()], [*post.point_estimates().values()])
+    with pytest.warns(DeprecationWarning, match="read point_at"):
+        assert post.point_estimate == "mean"
+    with pytest.warns(DeprecationWarning, match="with_point_at"):
+        at_g = post.with_point_estimate("g")
+    expected = post.with_point_at("g").point_estimates()
+    assert at_g.point_at == "g"
+    assert same([*at_g.point_estimates().values()], [*expected.values()])
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"^point_at"):
+        Posterior(dict(post), point_estimate="median")
+    state = post.state_dict()
+    assert state["point_estimate"] == "mean" and "point_at" not in state
+    post.save(tmp_path / "post.pt")
+    assert Posterior.load(tmp_path / "post.pt").point_at == "mean"
+
+
+def test_unwrap_is_the_one_name_and_holder_and_wrapped_its_deprecated_ones() -> None:
+    """``posterior.unwrap`` finds the optimizer behind wrappers of wrappers; ``holder`` is
+    its deprecated name (it warns), ``wrapped`` walks the same chain."""
+    model, opt = trained("additive")
+
+    class Wrapper:
+        def __init__(self, inner: Any, attribute: str) -> None:
+            setattr(self, attribute, inner)
+
+    outer = Wrapper(Wrapper(opt, "_optimizer"), "optimizer")
+    assert lgb.posterior.unwrap(outer) is opt
+    assert lgb.posterior.unwrap(opt) is opt
+    assert lgb.posterior.unwrap(torch.optim.SGD(model.parameters(), lr=0.1)) is None
+    assert lgb.posterior.unwrap(None) is None
+    cycle = Wrapper(None, "optimizer")
+    cycle.optimizer = cycle
+    assert lgb.posterior.unwrap(cycle) is None
+    with pytest.warns(DeprecationWarning, match="posterior.unwrap"):
+        assert lgb.posterior.holder(outer) is opt
+    assert list(lgb.posterior.wrapped(outer)) == [outer, outer.optimizer, opt]

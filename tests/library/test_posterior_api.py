@@ -23,7 +23,7 @@ import liegroup_blr as lgb
 from liegroup_blr import posterior_io
 from liegroup_blr.groups import AdditiveGroup
 from liegroup_blr.memorable import MemorablePast
-from liegroup_blr.memory import loo_nll, memory_map, prediction_variance
+from liegroup_blr.memory_maps import loo_nll, memory_map, prediction_variance
 from liegroup_blr.posterior import Posterior
 from tests.shared import closure_for
 
@@ -74,7 +74,7 @@ def test_a_posterior_records_the_temperature_and_data_size_of_its_optimizer(tmp_
     again = reloaded(post, tmp_path / "post.pt")
     assert (again.temperature, again.data_size) == (TAU, N)
     assert again.state_dict()["version"] == posterior_io.VERSION == 2
-    assert post.with_point_estimate("mean").temperature == TAU
+    assert post.with_point_at("mean").temperature == TAU
     assert post.to(dtype=torch.float64).data_size == N
     assert "temperature=0.1" in repr(post)
     # param groups at different temperatures record none

@@ -334,7 +334,7 @@ def test_a_posterior_by_name_is_matched_by_the_model_and_a_new_head_keeps_its_re
     opt.step(closure_for(opt, model, x, y))
     post = opt.posterior(model)
     backbone = {k: v for k, v in post.items() if k.startswith("0.")}
-    post = lgb.Posterior(backbone, point_estimate=post.point_estimate)
+    post = lgb.Posterior(backbone, point_at=post.point_at)
     head = nn.Linear(8, 3).to(D)
     net = nn.Sequential(model[0], model[1], head)
     opt2 = lgb.AffineBLR(

@@ -10,6 +10,10 @@ standard errors of a sample variance of a Gaussian, √(2/(S − 1)) relative.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +27,7 @@ from liegroup_blr.groups import (
     FullAffineGroup,
     MultiplicativeGroup,
 )
-from liegroup_blr.memory import memory_map, prediction_variance
+from liegroup_blr.memory_maps import memory_map, prediction_variance
 from liegroup_blr.posterior import Posterior, PosteriorEntry
 
 Z = 5.0
@@ -539,11 +543,11 @@ def test_regions_on_constructed_errors_and_variances():
     )
     torch.testing.assert_close(mm.prediction_error, error, rtol=1e-15, atol=0)
     torch.testing.assert_close(mm.total_variance, total, rtol=1e-15, atol=0)
-    named = [lgb.memory.REGIONS[r] for r in mm.regions().tolist()]
+    named = [lgb.memory_maps.REGIONS[r] for r in mm.regions().tolist()]
     regular, unpredictable, uncertain = "regular", "unpredictable", "uncertain"
     assert named[:5] == [regular, regular, unpredictable, unpredictable, regular]
     assert named[5:] == [unpredictable, regular, regular, regular, uncertain]
-    lower = [lgb.memory.REGIONS[r] for r in mm.regions(error_threshold=0.35).tolist()]
+    lower = [lgb.memory_maps.REGIONS[r] for r in mm.regions(error_threshold=0.35).tolist()]
     assert [i for i, r in enumerate(lower) if r == unpredictable] == [2, 3, 5, 8]
     assert (mm.regions(variance_quantile=0.5) == 2).tolist() == [False] * 9 + [True]
     full = lgb.MemoryMap(  # covariances [n, K, K]: the total variance is their trace
@@ -561,3 +565,28 @@ def test_a_categorical_prediction_error_is_twice_the_probability_missing_at_the_
     mm = memory_map(model, _affine_posterior(model), x, y)
     p_label = mm.predictions.gather(1, y[:, None])[:, 0]
     torch.testing.assert_close(mm.prediction_error, 2 * (1 - p_label), rtol=1e-12, atol=0)
+
+
+def test_the_old_module_name_warns_and_gives_the_same_functions() -> None:
+    """``liegroup_blr.memory`` is the deprecated name of ``liegroup_blr.memory_maps``: importing
+    it (or reading ``lgb.memory``) warns at the importing line and gives the same objects;
+    ``import liegroup_blr`` does not import it."""
+    code = textwrap.dedent(
+        """
+        import sys, warnings
+        warnings.simplefilter("error")
+        import liegroup_blr as lgb
+        assert "liegroup_blr.memory" not in sys.modules
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            regions = lgb.memory.REGIONS  # before the import, which sets the attribute
+            from liegroup_blr.memory import REGIONS, sensitivity
+        assert sensitivity is lgb.memory_maps.sensitivity and regions is REGIONS
+        assert [w.category for w in caught] == [DeprecationWarning] * 2, caught
+        assert all(w.filename == "<string>" for w in caught), [w.filename for w in caught]
+        assert all("liegroup_blr.memory_maps" in str(w.message) for w in caught)
+        """
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2]
+    )

@@ -38,10 +38,18 @@ def python_blocks(page: Path) -> list[tuple[int, str]]:
     return [(text.count("\n", 0, m.start("body")) + 1, m["body"]) for m in FENCE.finditer(text)]
 
 
+DEPRECATED_MODULES = {"liegroup_blr.memory": "liegroup_blr.memory_maps"}
+"""Old module names kept for one release, each re-exporting its new module's names with a
+DeprecationWarning on import: documented under the new name, and not imported here."""
+
+
 def public_modules() -> list[str]:
-    """liegroup_blr and its public first-level modules (subpackage internals are private)."""
+    """liegroup_blr and its public first-level modules (subpackage internals are private;
+    deprecated module names are left out)."""
     names = ["liegroup_blr"]
     for info in pkgutil.iter_modules(liegroup_blr.__path__, "liegroup_blr."):
+        if info.name in DEPRECATED_MODULES:
+            continue
         if not info.name.rsplit(".", 1)[1].startswith("_"):
             names.append(info.name)
     return names
