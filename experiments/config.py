@@ -28,7 +28,8 @@ import torch
 from experiments.data import DATASETS, dataset_options
 from experiments.distributed import PARALLEL
 from experiments.models import MODELS, model_options
-from experiments.optimizers import GROUPS
+from experiments.optimizers import GROUPS, OPTIMIZERS
+from experiments.schema import COUNT, NAME, Required, Unset
 from liegroup_blr.distributions import from_name
 
 if sys.version_info >= (3, 11):
@@ -36,90 +37,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class Required:
-    """Marks a key without a default; ``kind`` is the type its value must have."""
-
-    def __init__(self, kind: type) -> None:
-        self.kind = kind
-
-
-class Unset:
-    """Marks a key whose default is None (its meaning is documented with the key) and whose
-    value, when given, must have type ``kind``."""
-
-    def __init__(self, kind: type) -> None:
-        self.kind = kind
-
-
-NAME, NUMBER, COUNT = Required(str), Required(float), Required(int)
-
-_BLR = {
-    "lr": NUMBER,
-    "momentum": 0.9,
-    "temperature": 1.0,
-    "prior_precision": 0.0,
-    "mc_samples": 1,
-    "base_options": {},
-    "point_estimate": "g",
-    "noise": "fresh",
-    "antithetic": False,
-    "compile": False,
-    "vectorize": False,
-    "batch_split": 1,
-}
-
-# Keys each optimizer accepts, with defaults (those of the library / torch.optim).
-OPTIMIZERS: dict[str, dict[str, Any]] = {
-    "sgd": {"lr": NUMBER, "momentum": 0.9, "prior_precision": 0.0},
-    "adam": {"lr": NUMBER, "betas": [0.9, 0.999], "prior_precision": 0.0},
-    # IVON (Shen et al., 2024; the ivon-opt package): ess None = N, clip_radius None = none
-    "ivon": {
-        "lr": NUMBER,
-        "ess": Unset(float),
-        "hess_init": 1.0,
-        "beta1": 0.9,
-        "beta2": 0.99999,
-        "prior_precision": 0.0,
-        "mc_samples": 1,
-        "hess_approx": "price",
-        "clip_radius": Unset(float),
-    },
-    # mean-field VI from posteriors (experiments/meanfield.py): torchopt's Adam on (μ, log σ)
-    "vi": {
-        "lr": NUMBER,
-        "betas": [0.9, 0.999],
-        "prior_precision": 0.0,
-        "init_log_sd": -3.0,
-        "mc_samples": 1,
-    },
-    "additive": {**_BLR, "base": "gaussian", "base_scale": 1e-3},
-    "multiplicative": {
-        **_BLR,
-        "base": "rayleigh",
-        "base_scale": 1.0,
-        "init_offset": 1e-5,
-        "init": "auto",
-        "signed": True,
-    },
-    "affine": {
-        **_BLR,
-        "momentum": 0.8,
-        "scale_lr": NUMBER,
-        "scale_momentum": 0.999,
-        "base": "gaussian",
-        "base_scale": 0.005,
-        "init_scale": 1.0,
-    },
-    "lie": {
-        **_BLR,
-        "group": NAME,
-        "group_options": {},
-        "preconditioner": None,
-        "base": "gaussian",
-        "base_scale": 1e-3,
-    },
-}
 
 # parallel: how torchrun's processes share the work (experiments/distributed.py);
 # threads: torch's intra-op threads (0: torch's default)
@@ -313,7 +230,7 @@ def _schema(section: str, given: Any) -> dict[str, Any]:
 OPTIONS: dict[str, tuple[Mapping[str, Any], Callable[[str], Mapping[str, Any]]]] = {
     "data": (DATASETS, dataset_options),
     "model": (MODELS, model_options),
-    "optimizer": (OPTIMIZERS, OPTIMIZERS.__getitem__),
+    "optimizer": (OPTIMIZERS, lambda name: OPTIMIZERS[name].keys),
 }
 """The tables whose keys depend on their ``name``: the valid names and their keys."""
 

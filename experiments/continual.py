@@ -93,15 +93,16 @@ from tqdm import tqdm
 import liegroup_blr as lgb
 from experiments import config as config_module
 from experiments import continual_report, loop, runfiles, skeleton
-from experiments.config import COUNT, NAME, NUMBER, ConfigError, fill
+from experiments.config import ConfigError, fill
 from experiments.data import DATASETS, Dataset, check_finite, load_dataset, validation_split
 from experiments.evaluate import posterior_mean
 from experiments.ewc import OnlineEWC, diagonal_ggn
 from experiments.loop import DivergedError, Divergence
 from experiments.models import ACTIVATIONS, INITS, MLP
-from experiments.optimizers import build_optimizer, lr_factor
+from experiments.optimizers import OPTIMIZERS, build_optimizer, lr_factor
 from experiments.progress import Planned
-from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
+from experiments.schema import COUNT, NAME, NUMBER
+from experiments.skeleton import CHECKPOINT, RESULTS, ProgressHook
 from experiments.streams import HEADS, STREAMS, Head, Task, build_stream, column_mask
 from experiments.train import resolve_device
 from liegroup_blr import predictive
@@ -156,8 +157,6 @@ NEEDS_POSTERIOR = {"memory_selection": "sensitivity", "memory_use": "fromp_logit
 """Memory settings that need a posterior (a ``posterior`` method): the memory-map score and
 ``"fromp_logits"``'s kernel (``"fromp"`` takes the summed GGN without one)."""
 SCHEDULES = ("cosine", "constant")
-BASELINE_OPTIMIZERS = ("sgd", "adam")  # finetune, ewc, joint
-BLR_OPTIMIZERS = ("additive", "multiplicative", "affine", "lie")  # posterior
 
 _LEAST = [
     ("stream", "tasks", 1),
@@ -183,13 +182,15 @@ def _method(label: str, given: Any) -> dict[str, Any]:
     schema = {"strategy": NAME, "optimizer": {}, **STRATEGIES[strategy]}
     method = fill(where, given, schema)
     opt = method["optimizer"]
-    valid = BLR_OPTIMIZERS if strategy == "posterior" else BASELINE_OPTIMIZERS
+    # posterior: a Lie-group rule; finetune, ewc, joint: a point estimate (SGD, Adam)
+    posterior = "liegroup" if strategy == "posterior" else None
+    valid = [name for name, kind in OPTIMIZERS.items() if kind.posterior == posterior]
     if opt.get("name") not in valid:
         raise ConfigError(
             f"{where}.optimizer.name: strategy {strategy!r} takes one of {list(valid)}, got "
             f"{opt.get('name')!r}"
         )
-    schema = {"name": NAME, **config_module.OPTIMIZERS[opt["name"]]}
+    schema = {"name": NAME, **OPTIMIZERS[opt["name"]].keys}
     method["optimizer"] = fill(f"{where}.optimizer", opt, schema)
     config_module.check_base(method["optimizer"])
     if strategy == "posterior":
@@ -691,15 +692,9 @@ def run(
     them, so a kill at any instant loses at most the epoch in progress. ``progress`` hears of
     the epochs done over the whole stream; ``title`` names the run in its task lines.
     """
-    with runfiles.locked(out):
-        ckpt = out / CHECKPOINT
-        skeleton.check_run_folder(out, resume, ckpt, TASKS)
-        skeleton.check_same_config(out, cfg, resume)
-        learner = build(cfg)
-        at = _restore(learner, ckpt) if resume and ckpt.exists() else Position()
-        runfiles.remove_leftovers(out)
-        runfiles.write_json(out / CONFIG, cfg)
-        runfiles.write_jsonl(out / TASKS, at.rows)
+    opened = skeleton.opened_run(out, cfg, resume, TASKS, partial(build, cfg), _restore, Position())
+    with opened as (learner, at):
+        skeleton.start_run(out, cfg, TASKS, at.rows)
         return _learn(learner, out, at, progress, title or out.name)
 
 

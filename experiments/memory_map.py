@@ -85,6 +85,7 @@ from experiments.memory_stats import (
     summarise_retraining,
 )
 from experiments.progress import Planned
+from experiments.skeleton import CONFIG as RUN_CONFIG
 from experiments.skeleton import ProgressHook
 from experiments.train import (
     CHECKPOINT,
@@ -96,7 +97,6 @@ from experiments.train import (
     save_checkpoint,
     train_epoch,
 )
-from experiments.train import CONFIG as RUN_CONFIG
 from liegroup_blr import predictive
 
 MEMORY: dict[str, Any] = {

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ivon
@@ -19,7 +20,11 @@ from torch import nn
 
 import liegroup_blr as lgb
 from experiments import distributed
+from experiments.schema import NAME, NUMBER, Unset
 from liegroup_blr.distributions import from_name
+
+Params = Iterable[nn.Parameter]
+Optimizer = torch.optim.Optimizer
 
 GROUPS: dict[str, str] = {
     "additive": "AdditiveGroup",
@@ -188,48 +193,55 @@ def build_optimizer(
     data_size: float,
     process_group: Any = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer of a resolved ``[optimizer]`` table; ``data_size`` is N.
+    """The optimizer of a resolved ``[optimizer]`` table (:data:`OPTIMIZERS`); ``data_size``
+    is N. Under torchrun every optimizer gets the ``process_group`` (the baselines average
+    their gradients over it, :class:`AveragedGradients`), so each steps on a plain closure."""
+    if cfg["name"] not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg['name']!r}")
+    return OPTIMIZERS[cfg["name"]].build(cfg, params, data_size, process_group)
 
-    Baselines get the prior as weight decay δ/N (SGD with EMA momentum: dampening = β);
-    so does IVON, whose prior precision is ``weight_decay`` × ``ess`` (= δ with the default
-    ``ess`` = N). The BLR optimizers receive δ, τ and N themselves. Under torchrun every
-    optimizer gets the ``process_group`` (the baselines average their gradients over it,
-    :class:`AveragedGradients`), so each steps on a plain closure. ``vi`` is posteriors'
-    mean-field VI (:mod:`experiments.meanfield`, the peers' environment only).
-    """
-    name, lr = cfg["name"], cfg["lr"]
-    decay = cfg["prior_precision"] / data_size
-    if name == "sgd":
-        beta = cfg["momentum"]
-        return SGD(
-            params,
-            lr,
-            momentum=beta,
-            dampening=beta,
-            weight_decay=decay,
-            process_group=process_group,
-        )
-    if name == "adam":
-        betas = tuple(cfg["betas"])
-        return Adam(params, lr, betas=betas, weight_decay=decay, process_group=process_group)
-    if name == "ivon":
-        clip = cfg["clip_radius"]
-        return IVON(
-            params,
-            lr,
-            ess=data_size if cfg["ess"] is None else cfg["ess"],
-            hess_init=cfg["hess_init"],
-            beta1=cfg["beta1"],
-            beta2=cfg["beta2"],
-            weight_decay=decay,
-            mc_samples=cfg["mc_samples"],
-            hess_approx=cfg["hess_approx"],
-            clip_radius=math.inf if clip is None else clip,
-            process_group=process_group,
-        )
-    if name == "vi":
-        return _mean_field(cfg, params, data_size)
-    common = {
+
+def _decay(cfg: dict[str, Any], data_size: float) -> float:
+    """The prior as the baselines' and IVON's weight decay: δ/N."""
+    return float(cfg["prior_precision"] / data_size)
+
+
+def _sgd(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    """SGD with EMA momentum (dampening = β)."""
+    beta = cfg["momentum"]
+    decay = _decay(cfg, data_size)
+    return SGD(
+        params, cfg["lr"], momentum=beta, dampening=beta, weight_decay=decay, process_group=group
+    )
+
+
+def _adam(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    betas = tuple(cfg["betas"])
+    decay = _decay(cfg, data_size)
+    return Adam(params, cfg["lr"], betas=betas, weight_decay=decay, process_group=group)
+
+
+def _ivon(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    """IVON, whose prior precision is ``weight_decay`` × ``ess`` (= δ with ``ess`` = N)."""
+    clip = cfg["clip_radius"]
+    return IVON(
+        params,
+        cfg["lr"],
+        ess=data_size if cfg["ess"] is None else cfg["ess"],
+        hess_init=cfg["hess_init"],
+        beta1=cfg["beta1"],
+        beta2=cfg["beta2"],
+        weight_decay=_decay(cfg, data_size),
+        mc_samples=cfg["mc_samples"],
+        hess_approx=cfg["hess_approx"],
+        clip_radius=math.inf if clip is None else clip,
+        process_group=group,
+    )
+
+
+def _blr_options(cfg: dict[str, Any], data_size: float, group: Any) -> dict[str, Any]:
+    """The keywords every Lie-group rule takes: it receives δ, τ and N itself."""
+    return {
         "momentum": cfg["momentum"],
         "base": from_name(cfg["base"], scale=cfg["base_scale"], **cfg["base_options"]),
         "data_size": data_size,
@@ -240,28 +252,39 @@ def build_optimizer(
         "noise": cfg["noise"],
         "antithetic": cfg["antithetic"],
         "compile": cfg["compile"],
-        "process_group": process_group,
+        "process_group": group,
     }
-    if name == "additive":
-        return lgb.AdditiveBLR(params, lr, **common)
-    if name == "multiplicative":
-        extra = {"init_offset": cfg["init_offset"], "init": cfg["init"], "signed": cfg["signed"]}
-        return lgb.MultiplicativeBLR(params, lr, **common, **extra)
-    if name == "affine":
-        extra = {"scale_momentum": cfg["scale_momentum"], "init_scale": cfg["init_scale"]}
-        return lgb.AffineBLR(params, lr, cfg["scale_lr"], **common, **extra)
-    if name == "lie":
-        group = build_group(cfg["group"], cfg["group_options"])
-        preconditioner = build_preconditioner(cfg["preconditioner"], group)
-        base = common.pop("base")
-        return lgb.LieGroupBLR(params, group, base, lr, **common, preconditioner=preconditioner)
-    raise ValueError(f"unknown optimizer {name!r}")
 
 
-def _mean_field(
-    cfg: dict[str, Any], params: Iterable[nn.Parameter], data_size: float
-) -> torch.optim.Optimizer:
-    """posteriors' ``vi.diag`` as :class:`experiments.meanfield.MeanFieldVI`."""
+def _additive(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    return lgb.AdditiveBLR(params, cfg["lr"], **_blr_options(cfg, data_size, group))
+
+
+def _multiplicative(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    extra = {"init_offset": cfg["init_offset"], "init": cfg["init"], "signed": cfg["signed"]}
+    common = _blr_options(cfg, data_size, group)
+    return lgb.MultiplicativeBLR(params, cfg["lr"], **common, **extra)
+
+
+def _affine(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    extra = {"scale_momentum": cfg["scale_momentum"], "init_scale": cfg["init_scale"]}
+    common = _blr_options(cfg, data_size, group)
+    return lgb.AffineBLR(params, cfg["lr"], cfg["scale_lr"], **common, **extra)
+
+
+def _lie(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    lie_group = build_group(cfg["group"], cfg["group_options"])
+    preconditioner = build_preconditioner(cfg["preconditioner"], lie_group)
+    common = _blr_options(cfg, data_size, group)
+    base = common.pop("base")
+    return lgb.LieGroupBLR(
+        params, lie_group, base, cfg["lr"], **common, preconditioner=preconditioner
+    )
+
+
+def _mean_field(cfg: dict[str, Any], params: Params, data_size: float, group: Any) -> Optimizer:
+    """posteriors' ``vi.diag`` as :class:`experiments.meanfield.MeanFieldVI` (the peers'
+    environment only; one process)."""
     try:
         from experiments.meanfield import MeanFieldVI
     except ImportError as err:
@@ -271,6 +294,108 @@ def _mean_field(
         ) from None
     options = {k: cfg[k] for k in ("prior_precision", "init_log_sd", "mc_samples")}
     return MeanFieldVI(params, cfg["lr"], data_size, betas=tuple(cfg["betas"]), **options)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """An optimizer the drivers build by name: the keys of its ``[optimizer]`` table with
+    their defaults (those of the library / torch.optim), its builder ``build(cfg, params,
+    data_size, process_group)``, and its posterior: None (a point estimate: SGD, Adam),
+    ``"sampled"`` (its own samples: IVON, mean-field VI) or ``"liegroup"`` (a
+    :class:`liegroup_blr.Posterior`: the next task's prior, memories)."""
+
+    keys: dict[str, Any]
+    build: Callable[[dict[str, Any], Params, float, Any], Optimizer]
+    posterior: str | None
+
+
+_BLR = {
+    "lr": NUMBER,
+    "momentum": 0.9,
+    "temperature": 1.0,
+    "prior_precision": 0.0,
+    "mc_samples": 1,
+    "base_options": {},
+    "point_estimate": "g",
+    "noise": "fresh",
+    "antithetic": False,
+    "compile": False,
+    "vectorize": False,
+    "batch_split": 1,
+}
+
+OPTIMIZERS: dict[str, Kind] = {
+    "sgd": Kind({"lr": NUMBER, "momentum": 0.9, "prior_precision": 0.0}, _sgd, None),
+    "adam": Kind({"lr": NUMBER, "betas": [0.9, 0.999], "prior_precision": 0.0}, _adam, None),
+    # IVON (Shen et al., 2024; the ivon-opt package): ess None = N, clip_radius None = none
+    "ivon": Kind(
+        {
+            "lr": NUMBER,
+            "ess": Unset(float),
+            "hess_init": 1.0,
+            "beta1": 0.9,
+            "beta2": 0.99999,
+            "prior_precision": 0.0,
+            "mc_samples": 1,
+            "hess_approx": "price",
+            "clip_radius": Unset(float),
+        },
+        _ivon,
+        "sampled",
+    ),
+    # mean-field VI from posteriors (experiments/meanfield.py): torchopt's Adam on (μ, log σ)
+    "vi": Kind(
+        {
+            "lr": NUMBER,
+            "betas": [0.9, 0.999],
+            "prior_precision": 0.0,
+            "init_log_sd": -3.0,
+            "mc_samples": 1,
+        },
+        _mean_field,
+        "sampled",
+    ),
+    "additive": Kind({**_BLR, "base": "gaussian", "base_scale": 1e-3}, _additive, "liegroup"),
+    "multiplicative": Kind(
+        {
+            **_BLR,
+            "base": "rayleigh",
+            "base_scale": 1.0,
+            "init_offset": 1e-5,
+            "init": "auto",
+            "signed": True,
+        },
+        _multiplicative,
+        "liegroup",
+    ),
+    "affine": Kind(
+        {
+            **_BLR,
+            "momentum": 0.8,
+            "scale_lr": NUMBER,
+            "scale_momentum": 0.999,
+            "base": "gaussian",
+            "base_scale": 0.005,
+            "init_scale": 1.0,
+        },
+        _affine,
+        "liegroup",
+    ),
+    "lie": Kind(
+        {
+            **_BLR,
+            "group": NAME,
+            "group_options": {},
+            "preconditioner": None,
+            "base": "gaussian",
+            "base_scale": 1e-3,
+        },
+        _lie,
+        "liegroup",
+    ),
+}
+"""The optimizers by ``[optimizer] name``: the one registry of the drivers (config keys,
+builder, posterior)."""
 
 
 def lr_factor(epoch: int, epochs: int, warmup: int) -> float:

@@ -26,6 +26,7 @@ if __name__ == "__main__":
         usage.helper("experiments.skeleton", __doc__, ("train", "compare", "continual"))
     )
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -47,6 +48,7 @@ RESULTS = "results.json"
 CHECKPOINT = "checkpoint.pt"
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 ProgressHook = Callable[[int], str]
 """Told the epochs a run has done when it starts and after every epoch; what it returns
@@ -168,6 +170,40 @@ def check_same_config(out: Path, cfg: dict[str, Any], resume: bool) -> None:
             f"the config differs from the one {out} was trained with ({out / CONFIG}): "
             f"{shown}{more}; resume with that config or train into another folder"
         )
+
+
+@contextlib.contextmanager
+def opened_run(
+    out: Path,
+    cfg: dict[str, Any],
+    resume: bool,
+    rows: str,
+    build: Callable[[], R],
+    restore: Callable[[R, Path], T],
+    fresh: T,
+    ckpt: Path | None = None,
+    lock: bool = True,
+) -> Iterator[tuple[R, T]]:
+    """The preamble of one run in folder ``out``: lock it (unless not ``lock``: a torchrun
+    process other than rank 0), check it (:func:`check_run_folder`, ``rows`` its progress
+    file), ``build`` the run, check ``cfg`` against the stored config (after ``build``, which
+    may fill in defaults) and ``restore(run, ckpt)`` on resume; yields (run, where it stands:
+    ``fresh`` when there is no checkpoint ``ckpt``, default ``out/checkpoint.pt``) with the
+    folder locked. Writes nothing (:func:`start_run` does)."""
+    with runfiles.locked(out) if lock else contextlib.nullcontext():
+        ckpt = out / CHECKPOINT if ckpt is None else ckpt
+        check_run_folder(out, resume, ckpt, rows)
+        run = build()
+        check_same_config(out, cfg, resume)
+        yield run, restore(run, ckpt) if resume and ckpt.exists() else fresh
+
+
+def start_run(out: Path, cfg: dict[str, Any], rows: str, kept: list[dict[str, Any]]) -> None:
+    """A run's first files in ``out``: leftovers removed, its ``config.json`` and its progress
+    file ``rows`` holding the rows ``kept`` so far."""
+    runfiles.remove_leftovers(out)
+    runfiles.write_json(out / CONFIG, cfg)
+    runfiles.write_jsonl(out / rows, kept)
 
 
 def config_changes(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:

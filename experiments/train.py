@@ -53,7 +53,7 @@ from experiments.loop import DivergedError, Divergence, Epoch
 from experiments.models import build_model
 from experiments.optimizers import build_optimizer, lr_factor
 from experiments.progress import Planned
-from experiments.skeleton import CHECKPOINT, CONFIG, RESULTS, ProgressHook
+from experiments.skeleton import CHECKPOINT, RESULTS, ProgressHook
 from liegroup_blr import predictive
 from liegroup_blr.mc import mc_step
 
@@ -285,18 +285,21 @@ def _check_data(cfg: dict[str, Any], data: Dataset, processes: Processes) -> Non
 def _prepare(
     cfg: dict[str, Any], out: Path, resume: bool, processes: Processes, lock: contextlib.ExitStack
 ) -> tuple[Run, int, list[dict[str, Any]]]:
-    """Lock the folder (rank 0), check it, the data and the stored config, build the run
-    and restore its checkpoint: (run, epochs done, metrics rows). Writes nothing."""
-    if processes.main:
-        lock.enter_context(runfiles.locked(out))
+    """The run's preamble (:func:`~experiments.skeleton.opened_run`, rank 0 holding the lock
+    in ``lock``), its data checked: (run, epochs done, metrics rows). Writes nothing."""
+
+    def built() -> Run:
+        run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
+        _check_data(cfg, run.data, processes)
+        return run
+
     ckpt = checkpoint_path(out, processes)
-    skeleton.check_run_folder(out, resume, ckpt, METRICS)
-    run = build(cfg, processes)  # fills in defaults that depend on the data (augment)
-    _check_data(cfg, run.data, processes)
-    skeleton.check_same_config(out, cfg, resume)
-    if resume and ckpt.exists():
-        return (run, *load_checkpoint(run, ckpt))
-    return run, 0, []
+    fresh: tuple[int, list[dict[str, Any]]] = (0, [])
+    opened = skeleton.opened_run(
+        out, cfg, resume, METRICS, built, load_checkpoint, fresh, ckpt, processes.main
+    )
+    run, (start, history) = lock.enter_context(opened)
+    return run, start, history
 
 
 def on_every_process(step: Callable[[], T], processes: Processes) -> T:
@@ -348,9 +351,7 @@ def train(
         prepare = partial(_prepare, cfg, out, resume, processes, lock)
         run, start, history = on_every_process(prepare, processes)
         if processes.main:
-            runfiles.remove_leftovers(out)
-            runfiles.write_json(out / CONFIG, cfg)
-            runfiles.write_jsonl(out / METRICS, history)
+            skeleton.start_run(out, cfg, METRICS, history)
         distributed.barrier(processes)
         results = _train(run, out, start, history, progress, title)
     return results
