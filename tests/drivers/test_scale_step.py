@@ -13,9 +13,10 @@ import tomllib
 from torch import nn
 
 import liegroup_blr as lgb
-from experiments import docs_tables, scale_fixed_point
-from experiments.config import fill
-from experiments.optimizers import OPTIMIZERS, build_optimizer
+from experiments.common.config import fill
+from experiments.common.optimizers import OPTIMIZERS, build_optimizer
+from experiments.reporting import docs_tables
+from experiments.rules import scale_fixed_point
 
 CONFIGS = Path(__file__).parents[2] / "experiments" / "configs"
 
