@@ -1,5 +1,5 @@
 """Data loading, augmentation, models, sparsity measures and the schedule of the drivers;
-the command lines of the helper modules and the benchmarks."""
+the commands of experiments/ (drivers, the old names' aliases) and the benchmarks."""
 
 from __future__ import annotations
 
