@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.progress import duration
-from experiments.tables import LEFT, RIGHT, markdown
+from experiments.common.progress import duration
+from experiments.common.tables import LEFT, RIGHT, markdown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -211,7 +211,7 @@ def check(wheels: Path) -> list[str]:
     for module in (
         "experiments.benchmarks.step_time",
         "experiments.benchmarks.scale",
-        "experiments.compare",
+        "experiments.runs.compare",
     ):
         if importlib.util.find_spec(module) is None:
             problems.append(f"module {module} not found")
@@ -302,7 +302,14 @@ def gpu_run(env: dict[str, str], out: Path, begun: float) -> dict[str, Any]:
         passes = cnn_passes(left)
         config = out / "cnn_config.json"
         config.write_text(json.dumps(cnn_config(passes), indent=1))
-        argv = [sys.executable, "-m", "experiments.compare", str(config), "--out", str(out / "cnn")]
+        argv = [
+            sys.executable,
+            "-m",
+            "experiments.runs.compare",
+            str(config),
+            "--out",
+            str(out / "cnn"),
+        ]
         gives = f"{passes} of {config_passes()} passes"
         part = Part("cnn", argv, left - MARGIN_S, gives)
         cnn = run_part(part, out, env, part.budget_s)

@@ -1,6 +1,6 @@
 """Help-time benchmark: ``python -m experiments.MODULE --help`` against ``python -c pass``.
 
-Every driver, helper module and benchmark of experiments/ answers ``--help`` before it
+Every driver and benchmark of experiments/ answers ``--help`` before it
 imports torch or matplotlib (issue 50: it took 3.6–4 s). Each module's ``--help`` is run in
 a fresh process, interleaved with ``python -c pass``; the ratio of the median times is
 printed per module, and the worst against the target (at most 3).
@@ -11,7 +11,6 @@ Run: ``python -m experiments.benchmarks.help_time [--rounds 5] [--modules train 
 from __future__ import annotations
 
 import argparse
-import pkgutil
 import statistics
 import subprocess
 import sys
@@ -19,17 +18,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("experiments", "experiments.benchmarks")
 TARGET = 3.0
 """The most a module's ``--help`` may take, in times ``python -c pass``."""
 
 
 def modules() -> list[str]:
-    """Every module of ``PACKAGES``, by its name after ``experiments.``."""
+    """Every command of experiments/ (a module with a ``__main__`` block, the one-release
+    aliases of old names left out), by its name after ``experiments.``."""
     found = []
-    for package in PACKAGES:
-        inside = pkgutil.iter_modules([str(ROOT / package.replace(".", "/"))])
-        found += [f"{package}.{m.name}".removeprefix("experiments.") for m in inside if not m.ispkg]
+    for path in (ROOT / "experiments").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if 'if __name__ == "__main__"' in text and "cli.alias(" not in text:
+            found.append(".".join(path.relative_to(ROOT / "experiments").with_suffix("").parts))
     return sorted(found)
 
 

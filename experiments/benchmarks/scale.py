@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from experiments import cli
+from experiments.common import cli
 
 TARGETS: dict[str, tuple[str, dict[str, float]]] = {
     "resnet20": ("fresh", {"additive": 1.15, "multiplicative": 1.3, "affine": 1.3}),
@@ -84,9 +84,9 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
-from experiments import loop
 from experiments.benchmarks.step_time import RULES, Countdown, mean_time
-from experiments.models import MLP, ResNet
+from experiments.common import loop
+from experiments.common.models import MLP, ResNet
 
 LOSS = nn.functional.cross_entropy
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments import cli
+from experiments.common import cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,8 +49,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import liegroup_blr as lgb
-from experiments import loop
-from experiments.models import MLP
+from experiments.common import loop
+from experiments.common.models import MLP
 
 BATCH = 50
 RULES = {

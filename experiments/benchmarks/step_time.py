@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from experiments import cli
+from experiments.common import cli
 
 DURATIONS = (
     "Duration on the project's 2-core CPU machine, one thread, under load: 24 min in full "
@@ -78,10 +78,10 @@ import torch
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
-from experiments import loop
-from experiments.models import CNN, MLP
-from experiments.optimizers import IVON
-from experiments.progress import Planned, Progress
+from experiments.common import loop
+from experiments.common.models import CNN, MLP
+from experiments.common.optimizers import IVON
+from experiments.common.progress import Planned, Progress
 from liegroup_blr.optim.kernel_utils import compiled, rows
 from liegroup_blr.optim.multiplicative import multiplicative_update
 
@@ -120,7 +120,7 @@ def timed(fn: Callable[[], object]) -> float:
 class Countdown:
     """Prints ``[PROG] WHAT: E elapsed, about L left`` after each piece of work of a plan of
     ``totals`` units per kind of work: the drivers' time left
-    (:class:`experiments.progress.Progress`), each kind of work a run of its units at its own
+    (:class:`experiments.common.progress.Progress`), each kind of work a run of its units at its own
     seconds per unit (a kind not begun: all the work's)."""
 
     def __init__(

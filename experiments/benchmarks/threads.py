@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from experiments import cli
+from experiments.common import cli
 
 MODELS = ("readme", "mlp")
 SETTINGS = {"1": (1, "default"), "2": (2, "default"), "2 passive": (2, "PASSIVE")}
@@ -68,9 +68,9 @@ import torch
 from torch import Tensor, nn
 
 import liegroup_blr as lgb
-from experiments import loop
 from experiments.benchmarks.step_time import Countdown, mean_time
-from experiments.models import MLP
+from experiments.common import loop
+from experiments.common.models import MLP
 
 BATCH = 50
 ROOT = Path(__file__).resolve().parents[2]

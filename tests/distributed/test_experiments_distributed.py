@@ -52,7 +52,7 @@ def run(
     cfg.write_text(CONFIG.format(parallel=parallel, optimizer=optimizer))
     out = tmp_path / name
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    command = [sys.executable, *(launcher if processes > 1 else []), "-m", "experiments.train"]
+    command = [sys.executable, *(launcher if processes > 1 else []), "-m", "experiments.runs.train"]
     done = subprocess.run(
         [*command, str(cfg), "--out", str(out), *options],
         cwd=ROOT,

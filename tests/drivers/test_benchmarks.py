@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from experiments.benchmarks import gpu, scale, step_time, threads
-from experiments.config import run_configs
+from experiments.common.config import run_configs
 
 
 @pytest.fixture(autouse=True)

@@ -17,12 +17,16 @@ import torch
 from torch import nn
 
 import liegroup_blr as lgb
-from experiments import continual, continual_report, continual_tune, figures, tune
-from experiments.config import ConfigError, load
-from experiments.data import Dataset, NonFiniteInputError, load_dataset
-from experiments.ewc import OnlineEWC, diagonal_fisher, diagonal_ggn
-from experiments.streams import build_stream, column_mask, permutations, permuted, split
-from experiments.train import DivergedError
+from experiments.common import figures
+from experiments.common.config import ConfigError, load
+from experiments.common.data import Dataset, NonFiniteInputError, load_dataset
+from experiments.common.training import DivergedError
+from experiments.continual import learn as continual
+from experiments.continual import report as continual_report
+from experiments.continual import tune as continual_tune
+from experiments.continual.ewc import OnlineEWC, diagonal_fisher, diagonal_ggn
+from experiments.continual.streams import build_stream, column_mask, permutations, permuted, split
+from experiments.runs import tune
 
 CONFIGS = Path(__file__).parents[2] / "experiments" / "configs"
 SMOKE = CONFIGS / "continual_smoke.toml"

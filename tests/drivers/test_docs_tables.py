@@ -13,15 +13,16 @@ from typing import Any
 
 import pytest
 
-from experiments import compare, docs_tables
-from experiments.docs_tables import Metric, Table
+from experiments.reporting import docs_tables
+from experiments.reporting.docs_tables import Metric, Table
+from experiments.runs import compare
 from tests.shared import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_page_quotes_the_committed_summaries() -> None:
-    """README.md and every page under docs/ equal what ``python -m experiments.docs_tables
+    """README.md and every page under docs/ equal what ``python -m experiments.reporting.docs_tables
     write`` makes of them: every marked table and number is the committed one."""
     assert ROOT / "README.md" in list(docs_tables.pages(ROOT))
     assert docs_tables.stale(ROOT) == {}

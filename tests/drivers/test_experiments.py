@@ -12,8 +12,12 @@ import pytest
 import torch
 from matplotlib import image as mpimg
 
-from experiments import compare, figures, memory_map, peers, train, tune
-from experiments.config import ConfigError, load, merge, resolve, run_configs, split_runs
+from experiments.common import figures
+from experiments.common import training as train
+from experiments.common.config import ConfigError, load, merge, resolve, run_configs, split_runs
+from experiments.memory import maps as memory_map
+from experiments.runs import compare, peers, tune
+from experiments.runs import train as train_command
 from tests import shared
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -277,7 +281,7 @@ def test_compare_writes_report_folder(tmp_path: Path) -> None:
         ({"threads": -1}, r"threads must be >= 0"),
         ({"threads": 1.5}, r"threads must be an integer"),
         ({"schedule": {"epochs": 2, "warmup": 2}}, r"warmup"),
-        ({"runs": {"a": {}}}, r"experiments.compare"),
+        ({"runs": {"a": {}}}, r"experiments.runs.compare"),
     ],
 )
 def test_bad_config_is_a_clear_error(change: dict, message: str) -> None:
@@ -305,7 +309,7 @@ def test_threads_sets_torchs_thread_count(tmp_path: Path) -> None:
 def test_ivon_gets_n_and_the_prior_from_the_config() -> None:
     """ess defaults to N, the prior precision δ becomes weight decay δ/N (IVON's prior
     precision is weight_decay × ess), and the documented hyperparameters reach IVON."""
-    from experiments.optimizers import IVON, build_optimizer
+    from experiments.common.optimizers import IVON, build_optimizer
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     table = resolve(tiny_config(optimizer="ivon"))["optimizer"]
@@ -339,7 +343,7 @@ def test_bad_groups_and_devices_are_clear_errors(tmp_path: Path) -> None:
 def test_cli_reports_errors_and_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[data]\nname = "synthetic"\n[model]\nname = "mlp"\n[optimizer]\nname = "x"\n')
-    assert train.main([str(bad), "--out", str(tmp_path / "bad")]) == 2
+    assert train_command.main([str(bad), "--out", str(tmp_path / "bad")]) == 2
     assert "unknown optimizer 'x'" in capsys.readouterr().err
     assert compare.main([str(tmp_path / "missing.toml")]) == 2
     assert "not found" in capsys.readouterr().err
@@ -349,7 +353,7 @@ def test_cli_reports_errors_and_runs(tmp_path: Path, capsys: pytest.CaptureFixtu
         '[model]\nname = "mlp"\nwidths = [8]\n[optimizer]\nname = "sgd"\nlr = 0.1\n'
         "[schedule]\nepochs = 1\n[eval]\nsparsity_samples = 1\n"
     )
-    assert train.main([str(good), "--out", str(tmp_path / "run")]) == 0
+    assert train_command.main([str(good), "--out", str(tmp_path / "run")]) == 0
     assert "accuracy" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == 1
 
@@ -457,7 +461,7 @@ def test_an_overflowing_lr_is_one_line_before_training(
         '[data]\nname = "synthetic"\ntrain_size = 16\ntest_size = 8\n[model]\nname = "mlp"\n'
         f'[optimizer]\nname = "sgd"\nlr = {lr}\n[schedule]\nepochs = 1\n'
     )
-    assert train.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    assert train_command.main([str(path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err == (
         "error: [optimizer].lr must be a finite number within float32's range "

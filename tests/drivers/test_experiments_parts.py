@@ -1,19 +1,16 @@
 """Data loading, augmentation, models, sparsity measures and the schedule of the drivers;
-the command lines of the helper modules and the benchmarks."""
+the commands of experiments/ (drivers, the old names' aliases) and the benchmarks."""
 
 from __future__ import annotations
 
-import ast
 import gzip
 import importlib
 import json
 import math
 import pickle
-import runpy
 import struct
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +19,9 @@ import torch
 from PIL import Image
 
 import liegroup_blr as lgb
-from experiments import data, evaluate, models, sparsity, usage
 from experiments.benchmarks import help_time
-from experiments.optimizers import lr_factor
+from experiments.common import data, evaluate, models, sparsity
+from experiments.common.optimizers import lr_factor
 
 # ----------------------------------------------------------------------------- data
 
@@ -396,65 +393,41 @@ def test_benchmarks_import_and_parse_their_options(module, monkeypatch, capsys) 
     assert "--rounds" in help_text
 
 
-# --------------------------------------------------------------- helper modules' commands
+# ------------------------------------------------------------------------ the commands
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
-HELPERS = sorted(
-    p.stem
-    for p in EXPERIMENTS.glob("*.py")
-    if p.stem != "__init__" and "def main(" not in p.read_text(encoding="utf-8")
-)
+MAINS = {
+    str(p.relative_to(EXPERIMENTS).with_suffix("")).replace("/", "."): p.read_text("utf-8")
+    for p in EXPERIMENTS.rglob("*.py")
+    if 'if __name__ == "__main__"' in p.read_text("utf-8")
+}
+"""Every module of experiments/ that runs as a command, by its name after ``experiments.``."""
+ALIASES = {name: text for name, text in MAINS.items() if "cli.alias(" in text}
 
 
-def test_the_helper_modules_are_the_modules_without_a_command() -> None:
-    assert {"cli", "config", "data", "evaluate", "figures", "runfiles", "streams"} <= set(HELPERS)
-    assert not {"train", "compare", "tune", "continual", "memory_map"} & set(HELPERS)
+def test_only_the_drivers_and_the_aliases_have_a_main() -> None:
+    """A module without a command (a part of the drivers) has no ``__main__`` block; a driver
+    has a ``main``; an alias of an old name runs its new one and nothing else."""
+    drivers = {name for name, text in MAINS.items() if "def main(" in text}
+    assert set(MAINS) == drivers | set(ALIASES)
+    assert {"runs.train", "runs.compare", "continual.learn", "memory.maps"} <= drivers
+    assert not any(name.startswith("common.") for name in MAINS)
+    assert {"train", "compare", "tune", "continual.__main__", "memory_map"} <= set(ALIASES)
 
 
-def _run_as_main(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """``python -m experiments.MODULE ARGV`` in this process; its exit status."""
-    monkeypatch.setattr("sys.argv", [module, *argv])
-    with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
-        warnings.simplefilter("ignore", RuntimeWarning)  # imported already, run again
-        runpy.run_module(f"experiments.{module}", run_name="__main__")
-    return int(exit_.value.code)
-
-
-@pytest.mark.parametrize("module", HELPERS)
-def test_a_helper_module_says_what_it_is_and_which_driver_to_run(
-    module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    # read, not imported: meanfield imports the peers' packages, which may be missing
-    doc = ast.get_docstring(ast.parse((EXPERIMENTS / f"{module}.py").read_text("utf-8")))
-    assert _run_as_main(module, ["--help"], monkeypatch) == 0
-    text = capsys.readouterr().out
-    assert text.startswith(f"experiments.{module}: a part of the experiment drivers")
-    assert doc.strip().splitlines()[0] in text
-    assert "Run a driver instead:\n    python -m experiments." in text
-    for argv in ([], ["CONFIG.toml"], ["--out", "x"]):  # anything else: the same, exit 2
-        assert _run_as_main(module, argv, monkeypatch) == 2
-        assert capsys.readouterr().err == f"error: {text}"
-
-
-@pytest.mark.parametrize("driver", sorted(usage.DRIVERS))
-def test_every_driver_a_helper_names_answers_help(
-    driver: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    assert _run_as_main(driver, ["--help"], monkeypatch) == 0
-    assert capsys.readouterr().out.startswith(f"usage: python -m experiments.{driver} ")
-
-
-@pytest.mark.parametrize(("module", "driver"), [("evaluate", "train"), ("meanfield", "peers")])
-def test_a_helper_module_answers_on_the_real_command_line(module: str, driver: str) -> None:
-    """meanfield answers too, also where the peers it imports are missing (no traceback)."""
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_an_old_name_says_the_new_one_and_runs_it(old: str) -> None:
+    new = ALIASES[old].split("cli.alias(")[1].split('"')[3].removeprefix("experiments.")
+    command = old.removesuffix(".__main__")
     done = subprocess.run(
-        [sys.executable, "-m", f"experiments.{module}", "--help"],
+        [sys.executable, "-m", f"experiments.{command}", "--help"],
         cwd=EXPERIMENTS.parent,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 0 and done.stderr == ""
-    assert f"python -m experiments.{driver} CONFIG.toml" in done.stdout
+    assert done.returncode == 0, done.stderr
+    assert f"experiments.{command} is now experiments.{new}" in done.stderr
+    assert done.stdout.startswith(f"usage: python -m experiments.{new} ")
 
 
 # ------------------------------------------------------------------ --help before torch
@@ -477,16 +450,16 @@ status, what it printed and which of torch and matplotlib were imported by then.
 
 def test_the_help_time_benchmark_times_every_command() -> None:
     names = set(help_time.modules())
-    assert set(usage.DRIVERS) | {"cli", "usage", "docs_tables", "benchmarks.help_time"} <= names
-    assert not any(name.endswith("__init__") for name in names)
+    assert names == {name for name in MAINS if name not in ALIASES}
+    assert {"runs.train", "reporting.docs_tables", "benchmarks.help_time"} <= names
 
 
 @pytest.mark.slow
 def test_every_module_answers_help_before_importing_torch(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """Issue 50: ``--help`` took 4 s importing torch and matplotlib. Every driver, helper
-    module and benchmark answers before, and a driver's answer is that of its ``main``."""
+    """Issue 50: ``--help`` took 4 s importing torch and matplotlib. Every driver and
+    benchmark answers before, and a driver's answer is that of its ``main``."""
     monkeypatch.setenv("COLUMNS", "100")  # argparse's width, here and in the child
     names = help_time.modules()
     done = subprocess.run(
@@ -497,7 +470,7 @@ def test_every_module_answers_help_before_importing_torch(
     for name in names:
         code, text, heavy = found[name]
         assert (code, heavy) == (0, []), name
-        assert text.startswith((f"usage: python -m experiments.{name} ", f"experiments.{name}: "))
+        assert text.startswith(f"usage: python -m experiments.{name} ")
         if "cli.answer_help(" in (EXPERIMENTS / f"{name.replace('.', '/')}.py").read_text("utf-8"):
             with pytest.raises(SystemExit):
                 importlib.import_module(f"experiments.{name}").main(["--help"])
@@ -507,7 +480,7 @@ def test_every_module_answers_help_before_importing_torch(
 # --------------------------------------------------------------- the reports' point estimates
 @pytest.mark.parametrize("rule", ["additive", "affine", "multiplicative"])
 def test_the_posterior_mean_is_reported_where_it_is_not_g(rule: str) -> None:
-    """:func:`experiments.evaluate.posterior_mean` reads the posterior at E[θ] =
+    """:func:`experiments.common.evaluate.posterior_mean` reads the posterior at E[θ] =
     readout(g·E[ξ]): for the multiplicative rule with a Rayleigh(1) base that is
     E[ξ] = √(π/2) times g⁺ − g⁻ (closed form), in every parameter; for the additive and
     affine rules with centred bases E[θ] is the point estimate at g, so there is no second

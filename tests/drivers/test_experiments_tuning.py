@@ -1,4 +1,4 @@
-"""Tuning on a validation split (experiments/tune.py): grids, the choice, and the test set."""
+"""Tuning on a validation split (experiments/runs/tune.py): grids, the choice, and the test set."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from experiments import train, tune
-from experiments.config import ConfigError
+from experiments.common import training as train
+from experiments.common.config import ConfigError
+from experiments.runs import tune
 from tests.shared import tiny_config
 
 TINY = tiny_config(

@@ -13,17 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from experiments import (
-    compare,
-    continual,
-    data,
-    memory_converged,
-    memory_loo,
-    memory_map,
-    runfiles,
-    train,
-    tune,
-)
+from experiments.common import data, runfiles
+from experiments.common import training as train
+from experiments.continual import learn as continual
+from experiments.memory import converged as memory_converged
+from experiments.memory import loo as memory_loo
+from experiments.memory import maps as memory_map
+from experiments.runs import compare, tune
+from experiments.runs import train as train_command
 from tests.shared import digits_affine, tiny_config, with_tables
 
 TINY = tiny_config(optimizer={"name": "sgd", "lr": 0.05})
@@ -60,7 +57,7 @@ def config(driver: str, batch_size: int = 16) -> dict[str, Any]:
 
 
 DRIVERS: dict[str, Callable[[list[str] | None], int]] = {
-    "train": train.main,
+    "train": train_command.main,
     "compare": compare.main,
     "tune": tune.main,
     "continual": continual.main,

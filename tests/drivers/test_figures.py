@@ -15,7 +15,10 @@ import pytest
 import torch
 from matplotlib.collections import PolyCollection
 
-from experiments import compare, continual_report, figures, train
+from experiments.common import figures
+from experiments.common import training as train
+from experiments.continual import report as continual_report
+from experiments.runs import compare
 from tests.drivers.test_experiments import tiny_config
 
 
@@ -466,7 +469,7 @@ def test_the_converged_figure_names_the_removals_and_the_floors_axis(
 ) -> None:
     """The removals' curves have a legend entry beside the control's, and the floor and the
     drift points, whose x is not the truth, have an axis label of their own."""
-    from experiments import memory_converged
+    from experiments.memory import converged as memory_converged
 
     estimates = {"logits": torch.tensor([0.2, 0.3, 0.4]), "probabilities": torch.tensor([0.1] * 3)}
     memory_converged.figure(estimates, _retrain_rows(), tmp_path / "c.png", "digits, seed 0")
@@ -506,7 +509,7 @@ def _loo_results() -> dict[str, Any]:
 def test_no_line_of_the_loo_figure_hides_another(saved: dict[str, Any], tmp_path: Path) -> None:
     """Every criterion has its own marker and its own (marker, line style), and at one δ
     the criteria are drawn at distinct x: where their values coincide none covers another."""
-    from experiments import memory_loo
+    from experiments.memory import loo as memory_loo
 
     memory_loo.figure(_loo_results(), tmp_path / "m.png", "digits, mlp")
     (ax,) = saved["m.png"].axes
@@ -523,7 +526,7 @@ def test_no_line_of_the_loo_figure_hides_another(saved: dict[str, Any], tmp_path
 
 
 def test_criteria_beyond_the_named_styles_still_get_a_marker_each() -> None:
-    from experiments import memory_loo
+    from experiments.memory import loo as memory_loo
 
     names = [*memory_loo.STYLES, *(f"loo source{k}" for k in range(10))]
     chosen = memory_loo.styles(names)
@@ -534,7 +537,7 @@ def test_criteria_beyond_the_named_styles_still_get_a_marker_each() -> None:
 def test_the_loo_figure_comes_from_the_docs_summary(saved: dict[str, Any], tmp_path: Path) -> None:
     """The committed summary's per-seed values give back the summaries the figure reads: the
     corrected estimate undefined (None) at the small δ, the picks those of the summary."""
-    from experiments import memory_loo
+    from experiments.memory import loo as memory_loo
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "results" / "memory_digits_loo.json"
     summary = json.loads(docs.read_text())

@@ -1,4 +1,4 @@
-"""The exact-Hessian predictions of leave-one-out (``experiments.memory_influence``) on tiny
+"""The exact-Hessian predictions of leave-one-out (``experiments.memory.influence``) on tiny
 affine and multiplicative runs: the Hessian is autograd's, the Newton step is the first-order
 change of the minimiser, and with every draw at the mean it is the memory-perturbation
 equation with the Laplace covariance."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments import memory_converged as mc
-from experiments import memory_influence as mi
-from experiments.memory_map import trained
+from experiments.memory import converged as mc
+from experiments.memory import influence as mi
+from experiments.memory.maps import trained
 from tests.drivers.test_memory_map_converged import MULTIPLICATIVE, tiny
 
 

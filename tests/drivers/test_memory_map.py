@@ -17,12 +17,13 @@ from scipy import stats
 from torch.nn.functional import cross_entropy
 
 import liegroup_blr as lgb
-from experiments import memory_map as mm
-from experiments import runfiles, train
-from experiments.figures import ERROR_VARIANCE_SIZE, MEMORY_MAP_SIZE, SCATTER_SIZE
-from experiments.memory_retrain import Retrainer
-from experiments.memory_scores import BASELINES, RANKINGS
-from experiments.memory_stats import SPACES, agreement, changes, pearson, spearman, summarise_flips
+from experiments.common import runfiles
+from experiments.common import training as train
+from experiments.common.figures import ERROR_VARIANCE_SIZE, MEMORY_MAP_SIZE, SCATTER_SIZE
+from experiments.memory import maps as mm
+from experiments.memory.retrain import Retrainer
+from experiments.memory.scores import BASELINES, RANKINGS
+from experiments.memory.stats import SPACES, agreement, changes, pearson, spearman, summarise_flips
 from liegroup_blr.distributions import Dirac
 from tests.drivers.test_experiments import assert_png
 from tests.shared import digits_affine, tiny_config

@@ -1,4 +1,4 @@
-"""The converged leave-one-out check (``experiments.memory_converged``) on tiny synthetic
+"""The converged leave-one-out check (``experiments.memory.converged``) on tiny synthetic
 data (seconds): the objective without an example is the full one less that example's term,
 retraining with nothing removed from a converged mean moves nothing while removing an
 example moves its prediction, the stopping rule, the files written and kept across a
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.nn.functional import cross_entropy
 
-from experiments import config as config_module
-from experiments import memory_converged as mc
-from experiments import runfiles
-from experiments.memory_map import trained
+from experiments.common import config as config_module
+from experiments.common import runfiles
+from experiments.memory import converged as mc
+from experiments.memory.maps import trained
 from tests.shared import digits_affine, tiny_config
 
 MULTIPLICATIVE = {

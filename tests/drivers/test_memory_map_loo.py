@@ -1,4 +1,4 @@
-"""Model selection by the estimated leave-one-out NLL (``experiments.memory_loo``) on tiny
+"""Model selection by the estimated leave-one-out NLL (``experiments.memory.loo``) on tiny
 synthetic data (seconds): the files written, the criteria and the δ each picks, and the
 refusals."""
 
@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from experiments import config as config_module
-from experiments import memory_loo as ml
-from experiments import runfiles
-from experiments.docs_tables import flatten
+from experiments.common import config as config_module
+from experiments.common import runfiles
+from experiments.memory import loo as ml
+from experiments.reporting.docs_tables import flatten
 from tests.shared import digits_affine, tiny_config
 
 

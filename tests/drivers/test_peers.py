@@ -1,5 +1,5 @@
-"""The peers driver (experiments/peers.py) and posteriors' mean-field VI as an optimizer
-(experiments/meanfield.py).
+"""The peers driver (experiments/runs/peers.py) and posteriors' mean-field VI as an optimizer
+(experiments/common/meanfield.py).
 
 The parts that need laplace-torch or posteriors skip without them: they run in the peers'
 environment (experiments/requirements-peers.txt), which the test extras never install.
@@ -19,9 +19,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from experiments import config as config_module
-from experiments import optimizers, peers, runfiles, train
-from experiments.config import ConfigError
+from experiments.common import config as config_module
+from experiments.common import optimizers, runfiles
+from experiments.common import training as train
+from experiments.common.config import ConfigError
+from experiments.runs import peers
 from tests.drivers.test_experiments import assert_same, train_interrupted, without_times
 from tests.shared import tiny_config
 
@@ -125,7 +127,7 @@ def test_vi_config_is_checked(change: dict[str, Any], message: str) -> None:
 def test_vi_without_posteriors_names_the_peers_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(sys.modules, "experiments.meanfield", None)  # import fails
+    monkeypatch.setitem(sys.modules, "experiments.common.meanfield", None)  # import fails
     cfg = config_module.resolve(
         {
             **{k: v for k, v in TINY.items() if k not in ("runs", "laplace", "seeds")},
@@ -229,7 +231,7 @@ def test_report_shows_mean_and_sd_of_each_row_and_every_seed() -> None:
 # ------------------------------------------------------------- with posteriors
 def _vi(params: Any, **options: Any) -> Any:
     pytest.importorskip("posteriors")
-    from experiments.meanfield import MeanFieldVI
+    from experiments.common.meanfield import MeanFieldVI
 
     return MeanFieldVI(params, **options)
 
@@ -265,7 +267,7 @@ def test_vi_samples_have_the_posterior_spread_and_the_mean_comes_back() -> None:
 def test_a_vi_run_resumes_to_the_uninterrupted_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Mean-field VI through experiments.train: killed after its second pass, before that
+    """Mean-field VI through experiments.runs.train: killed after its second pass, before that
     pass's checkpoint, it resumes to the same means, log σ, Adam state and metrics."""
     pytest.importorskip("posteriors")
     raw = {k: v for k, v in TINY.items() if k not in ("runs", "laplace", "seeds")}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.progress import Planned, Progress, duration
+from experiments.common.progress import Planned, Progress, duration
 
 
 class Clock:

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import cli, compare, config, figures, ood, sparsity, tables
-from experiments.config import ConfigError
+from experiments.common import cli, config, figures, ood, sparsity, tables
+from experiments.common.config import ConfigError
+from experiments.runs import compare
 from tests.shared import tiny_config
 
 
@@ -305,7 +306,7 @@ def test_compare_seeds_flag_overrides_the_config(tmp_path: Path) -> None:
 def test_per_sample_noise_repeats_the_reference_draws() -> None:
     """The reference code's noise: the s-th training sample of every step reads the same ξ,
     different samples differ, and samples outside training are fresh."""
-    from experiments.log_g_walk import PerSampleNoise
+    from experiments.rules.log_g_walk import PerSampleNoise
     from liegroup_blr.distributions import Rayleigh
 
     source, key, base = PerSampleNoise(), torch.zeros(5), Rayleigh(1.0)
@@ -334,7 +335,7 @@ def test_log_g_walk_runs_each_noise_and_reports_final_metrics(
 ) -> None:
     """A width-8 network at α = 50 skips steps under one-draw noise (a tiny frozen ξ needs a
     huge g): the skips are expected, the report must still come out."""
-    from experiments import log_g_walk
+    from experiments.rules import log_g_walk
 
     pytest.importorskip("mlxtend")
     assert log_g_walk.main(["--widths", "8", "--passes", "1", "--samples", "2"]) == 0
@@ -370,7 +371,7 @@ def test_a_command_with_options_instead_of_a_config(capsys: pytest.CaptureFixtur
 
 
 def test_log_g_walk_refuses_no_passes_before_it_trains(capsys: pytest.CaptureFixture[str]) -> None:
-    from experiments import log_g_walk
+    from experiments.rules import log_g_walk
 
     assert log_g_walk.main(["--passes", "0"]) == 2
     assert capsys.readouterr().err == "error: --passes and --samples must be >= 1\n"

@@ -21,8 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import cli, compare, data, distributed, runfiles, train, tune
-from experiments import config as config_module
+from experiments.common import cli, data, distributed, runfiles
+from experiments.common import config as config_module
+from experiments.common import training as train
+from experiments.runs import compare, tune
+from experiments.runs import train as train_command
 from liegroup_blr import predictive
 from tests.shared import tiny_config, with_tables
 
@@ -48,7 +51,7 @@ def _in(folder: str, path: str) -> bool:
 
 
 def child_main(argv: list[str]) -> None:
-    """A child process: ``experiments.train ARGS`` killed with SIGKILL at a chosen write in
+    """A child process: ``experiments.runs.train ARGS`` killed with SIGKILL at a chosen write in
     the run folder, before it happens (an open that truncates truncates first, as it would).
 
     ``POINT`` is ``NAME:N``, the N-th write of the file named NAME, or ``next:NAME:N``, the
@@ -82,7 +85,7 @@ def child_main(argv: list[str]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     sys.addaudithook(hook)
-    sys.exit(train.main(args))
+    sys.exit(train_command.main(args))
 
 
 class Interrupted(BaseException):
@@ -325,7 +328,7 @@ def test_a_folder_in_use_is_refused_until_its_run_dies(
             time.sleep(0.1)
         before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
         for extra in ([], ["--resume"]):
-            assert train.main([str(cfg), "--out", str(out), *extra]) == 2
+            assert train_command.main([str(cfg), "--out", str(out), *extra]) == 2
             line = one_error_line(capsys)
             assert "in use" in line and str(first.pid) in line and str(out) in line
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
@@ -356,11 +359,11 @@ def test_ctrl_c_is_one_line_with_the_command_that_resumes(
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    command = f"python -m experiments.train {cfg} --out {out} --resume"
+    command = f"python -m experiments.runs.train {cfg} --out {out} --resume"
     assert err.splitlines() == [
         f"interrupted: {out} keeps its checkpoint after pass 1; resume with: {command}"
     ]
-    assert train.main(shlex.split(command)[3:]) == 0
+    assert train_command.main(shlex.split(command)[3:]) == 0
     assert without_times(metrics(out)) == without_times(reference["rows"])
 
 
@@ -413,7 +416,7 @@ def test_ctrl_c_before_anything_is_written_says_so(
 
 
 def test_atomic_writes_from_threads_never_collide(tmp_path: Path) -> None:
-    from experiments import runfiles
+    from experiments.common import runfiles
 
     path, errors = tmp_path / "file.json", []
 
@@ -454,7 +457,7 @@ def test_bad_config_is_one_line_and_writes_nothing(
     change: dict[str, Any], words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     cfg = write_config(tmp_path / "cfg.json", tiny(**change))
-    assert train.main([str(cfg), "--out", str(tmp_path / "run")]) == 2
+    assert train_command.main([str(cfg), "--out", str(tmp_path / "run")]) == 2
     line = one_error_line(capsys)
     assert all(word in line for word in words), line
     assert not run_files(tmp_path / "run")
@@ -501,7 +504,9 @@ def test_divergence_in_the_last_update_is_reported_not_saved(
 
         monkeypatch.setattr(train, "train_epoch", poisoned)
     out = tmp_path / "run"
-    assert train.main([str(write_config(tmp_path / "cfg.json", cfg)), "--out", str(out)]) == 2
+    assert (
+        train_command.main([str(write_config(tmp_path / "cfg.json", cfg)), "--out", str(out)]) == 2
+    )
     line = one_error_line(capsys)
     assert "diverged in epoch 1" in line and words in line
     assert not (out / "checkpoint.pt").exists() and not (out / "results.json").exists()
@@ -535,13 +540,13 @@ def test_corrupt_checkpoint_is_one_line(
 ) -> None:
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.json", tiny(schedule={"epochs": 1}))
-    assert train.main([str(cfg), "--out", str(out)]) == 0
+    assert train_command.main([str(cfg), "--out", str(out)]) == 0
     ckpt = out / "checkpoint.pt"
     blob = ckpt.read_bytes()
     ckpt.write_bytes(blob[: len(blob) // 2] if damage == "truncate" else b"not a checkpoint")
     results = (out / "results.json").read_bytes()
     capsys.readouterr()
-    assert train.main([str(cfg), "--out", str(out), "--resume"]) == 2
+    assert train_command.main([str(cfg), "--out", str(out), "--resume"]) == 2
     line = one_error_line(capsys)
     assert str(ckpt) in line and "corrupt" in line
     assert (out / "results.json").read_bytes() == results
@@ -550,10 +555,10 @@ def test_corrupt_checkpoint_is_one_line(
 def test_corrupt_run_config_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.json", tiny(schedule={"epochs": 1}))
-    assert train.main([str(cfg), "--out", str(out)]) == 0
+    assert train_command.main([str(cfg), "--out", str(out)]) == 0
     (out / "config.json").write_text('{"seed": ')
     capsys.readouterr()
-    assert train.main([str(cfg), "--out", str(out), "--resume"]) == 2
+    assert train_command.main([str(cfg), "--out", str(out), "--resume"]) == 2
     assert str(out / "config.json") in one_error_line(capsys)
 
 
@@ -562,7 +567,7 @@ def test_out_naming_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
     for out in (notes, notes / "run"):
-        assert train.main([str(cfg), "--out", str(out)]) == 2
+        assert train_command.main([str(cfg), "--out", str(out)]) == 2
         assert str(notes) in one_error_line(capsys)
     assert notes.read_text() == "mine"
 
@@ -574,7 +579,7 @@ def test_read_only_output_folder_is_one_line(tmp_path: Path, capsys: pytest.Capt
     out.chmod(0o555)
     try:
         cfg = write_config(tmp_path / "cfg.json", tiny())
-        assert train.main([str(cfg), "--out", str(out)]) == 2
+        assert train_command.main([str(cfg), "--out", str(out)]) == 2
         assert "Permission denied" in one_error_line(capsys)
     finally:
         out.chmod(0o755)
@@ -592,7 +597,7 @@ def test_an_unrelated_folder_is_never_overwritten(
     (out / name).write_text('{"mine": true}')
     cfg = write_config(tmp_path / "cfg.json", tiny())
     for extra in ([], ["--resume"]):
-        assert train.main([str(cfg), "--out", str(out), *extra]) == 2
+        assert train_command.main([str(cfg), "--out", str(out), *extra]) == 2
         assert str(out) in one_error_line(capsys)
     assert run_files(out) == {name}
     assert (out / name).read_text() == '{"mine": true}'
@@ -603,12 +608,12 @@ def test_a_finished_run_without_checkpoint_is_never_overwritten(
 ) -> None:
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.json", tiny(schedule={"epochs": 1}))
-    assert train.main([str(cfg), "--out", str(out)]) == 0
+    assert train_command.main([str(cfg), "--out", str(out)]) == 0
     (out / "checkpoint.pt").unlink()
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
     for extra in ([], ["--resume"]):
-        assert train.main([str(cfg), "--out", str(out), *extra]) == 2
+        assert train_command.main([str(cfg), "--out", str(out), *extra]) == 2
         assert str(out) in one_error_line(capsys)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 

@@ -13,9 +13,10 @@ import tomllib
 from torch import nn
 
 import liegroup_blr as lgb
-from experiments import docs_tables, scale_fixed_point
-from experiments.config import OPTIMIZERS, fill
-from experiments.optimizers import build_optimizer
+from experiments.common.config import fill
+from experiments.common.optimizers import OPTIMIZERS, build_optimizer
+from experiments.reporting import docs_tables
+from experiments.rules import scale_fixed_point
 
 CONFIGS = Path(__file__).parents[2] / "experiments" / "configs"
 
@@ -48,7 +49,9 @@ def test_shipped_affine_config_keeps_its_step(name, i, table):
     """A shipped affine table builds the reference's parametrisation with its own values: the
     raw α₂ (no growth bound), β₂ 0.999 unless given, base scale and A₀ as written, so its run
     is the one it made before ``scale_step`` existed; ``scale_step = 2τα₂/N`` is that step."""
-    cfg = fill("optimizer", {k: v for k, v in table.items() if k != "name"}, OPTIMIZERS["affine"])
+    cfg = fill(
+        "optimizer", {k: v for k, v in table.items() if k != "name"}, OPTIMIZERS["affine"].keys
+    )
     cfg["name"] = "affine"
     n = 1000
     opt = build_optimizer(cfg, nn.Linear(3, 2).parameters(), data_size=n)

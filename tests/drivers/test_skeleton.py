@@ -1,5 +1,6 @@
-"""The run skeleton the drivers share (experiments/skeleton.py): seeding, checkpoints, the epoch
-loop, the folder of a driver, the runs with their progress, and the drivers' own config tables."""
+"""The run skeleton the drivers share (experiments/common/skeleton.py): seeding, checkpoints, the
+epoch loop, the folder of a driver, the runs with their progress, and the drivers' own config
+tables."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import config as config_module
-from experiments import continual, runfiles, skeleton
-from experiments.config import ConfigError, load
-from experiments.progress import Planned
+from experiments.common import config as config_module
+from experiments.common import runfiles, skeleton
+from experiments.common.config import ConfigError, load
+from experiments.common.progress import Planned
+from experiments.continual import learn as continual
 from tests.shared import tiny_config
 
 EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"

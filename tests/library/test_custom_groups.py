@@ -22,8 +22,8 @@ from torch import Tensor
 from torch.distributions import Laplace, Normal
 
 import liegroup_blr as lgb
-from experiments.config import resolve
-from experiments.optimizers import build_group, build_optimizer, build_preconditioner
+from experiments.common.config import resolve
+from experiments.common.optimizers import build_group, build_optimizer, build_preconditioner
 from liegroup_blr.distributions import sample_into
 from liegroup_blr.fisher import (
     algebra_gradient,

@@ -21,6 +21,7 @@ SCOPES = {
     "liegroup_blr/": ("liegroup_blr", ""),
     "liegroup_blr/optim/": ("liegroup_blr", "optim"),
     "experiments/": ("experiments", ""),
+    "experiments/common/": ("experiments", "common"),
 }
 HEADER = re.compile(r"^\| floor \| module in `(?P<scope>[^`]+)` \| holds \|$")
 TODO = "TODO: what it holds"

@@ -232,7 +232,7 @@ def test_the_readme_says_what_it_is_then_gives_its_two_commands():
     assert lines[0] == "# liegroup_blr" and lines[1] == lines[4] == ""
     assert "PyTorch optimizers" in lines[2] and "](docs/index.md)" in lines[3]
     commands = [line.strip() for line in lines if line.startswith("    python3 -m venv")]
-    assert commands[0].endswith("-m experiments.compare experiments/configs/cpu_default.toml")
+    assert commands[0].endswith("-m experiments.runs.compare experiments/configs/cpu_default.toml")
     at = lines.index("Run the tests:")
     assert lines[at + 1] == "" and lines[at + 2].strip() == commands[1]
     assert commands[1].endswith(".venv/bin/python -m pytest -n 2")

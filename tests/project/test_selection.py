@@ -74,7 +74,7 @@ def named(path: Path) -> set[str]:
                     if obj is None:
                         break
                     found.add(_module_of(obj) or "")
-    # modules named in strings: run as commands (-m experiments.train), or imported by a
+    # modules named in strings: run as commands (-m experiments.runs.train), or imported by a
     # prefix and a name the file lists (f"experiments.benchmarks.{module}", "scale_out")
     strings = {
         n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)

@@ -413,7 +413,7 @@ def test_what_the_parameters_hold_is_never_compared_as_a_string():
 
 
 def test_only_the_table_writer_writes_a_markdown_table():
-    """Every report's tables come from :func:`experiments.tables.markdown`: no other module
+    """Every report's tables come from :func:`experiments.common.tables.markdown`: no other module
     of experiments/ writes a separator line (``|---``) or joins cells with `` | ``."""
     writers = [
         str(path.relative_to(ROOT))

@@ -1,0 +1,1 @@
+"""Continual learning on task streams: the driver, its tuning, the streams, EWC, the report."""

@@ -1,0 +1,1 @@
+"""The documentation's quoted numbers from committed result summaries."""
