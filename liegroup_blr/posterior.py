@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from .groups import LieGroup
 
 __all__ = ["POINT_AT", "Posterior", "PosteriorEntry", "holder", "unwrap", "wrapped"]
 
-_PACKAGE = os.path.dirname(__file__) + os.sep
 
 POINT_AT = ("g", "mean")
 """Where a point estimate is read (``point_at=`` of a :class:`~liegroup_blr.Posterior` and of
@@ -170,13 +168,10 @@ class Posterior(Mapping[str | int, PosteriorEntry]):
         point_estimate: str | None = None,
     ) -> None:
         if point_estimate is not None:
-            # TRANSITIONAL (issue 51): optim/base.py still passes point_estimate=; the
-            # library's own call does not warn. Drop the condition once it passes point_at=.
-            if not sys._getframe(1).f_code.co_filename.startswith(_PACKAGE):
-                warn(
-                    "Posterior: point_estimate= is deprecated; pass point_at= (the same values)",
-                    DeprecationWarning,
-                )
+            warn(
+                "Posterior: point_estimate= is deprecated; pass point_at= (the same values)",
+                DeprecationWarning,
+            )
             point_at = point_estimate
         if point_at not in POINT_AT:
             raise ValueError(f"point_at: must be one of {POINT_AT}")

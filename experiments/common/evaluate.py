@@ -91,9 +91,9 @@ def posterior_mean(model: nn.Module, optimizer: Any) -> lgb.Posterior | None:
     if lgb.optim.unwrap(optimizer) is None:
         return None
     post = lgb.Posterior.from_optimizer(optimizer, model)
-    if post.point_estimate == "mean":
+    if post.point_at == "mean":
         return None
-    mean = post.with_point_estimate("mean")
+    mean = post.with_point_at("mean")
     at_g, at_mean = post.point_estimates(), mean.point_estimates()
     same = all(torch.equal(at_g[k], at_mean[k]) for k in at_g)
     return None if same else mean

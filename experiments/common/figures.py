@@ -19,7 +19,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from torch import Tensor
 
-from liegroup_blr.memory import REGIONS
+from liegroup_blr.memory_maps import REGIONS
 
 DPI = 100
 RELIABILITY_SIZE = (10.0, 5.0)  # inches: 1000 × 500 pixels
@@ -406,7 +406,7 @@ def error_variance_map(
     """The two-axis memory map: every example at its prediction ``error`` (‖eᵢ‖₁) and total
     prediction ``variance``, log-log, coloured by its log₁₀ score (colour bar). The region
     boundaries ``bounds`` (error, variance) are drawn and each region named with its count
-    (``regions``: indices into :data:`liegroup_blr.memory.REGIONS`); ``marked`` examples are
+    (``regions``: indices into :data:`liegroup_blr.memory_maps.REGIONS`); ``marked`` examples are
     ringed in red."""
     error = np.maximum(error, error[error > 0].min() if (error > 0).any() else 1e-12)
     fig, ax = plt.subplots(figsize=ERROR_VARIANCE_SIZE)

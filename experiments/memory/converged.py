@@ -229,7 +229,7 @@ class Retrainer:
         post = self.post
         return lgb.Posterior(
             entries,
-            point_estimate=post.point_estimate,
+            point_at=post.point_at,
             temperature=post.temperature,
             data_size=post.data_size,
         )

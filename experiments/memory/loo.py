@@ -202,7 +202,7 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
             out_[source] = {"corrected": None, "first_order": None}
             if source in ("ggn", "hessian") and size > EXACT_LIMIT:
                 continue
-            for form in lgb.memory.LOO_FORMS:
+            for form in lgb.memory_maps.LOO_FORMS:
                 try:
                     value = lgb.loo_nll(
                         run.model,
@@ -224,7 +224,7 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
             seconds[source] = time.perf_counter() - start
         return out_, seconds
 
-    post = lgb.Posterior.from_optimizer(run.optimizer, run.model).with_point_estimate("mean")
+    post = lgb.Posterior.from_optimizer(run.optimizer, run.model).with_point_at("mean")
     loo_sources, seconds = sources()
     mm = lgb.memory_map(
         run.model,
@@ -238,7 +238,7 @@ def evaluate(run: Any, table: dict[str, Any], seed: int) -> dict[str, Any]:
     p_label = mm.predictions.gather(1, y[:, None])[:, 0]
     leverage = (mm.predictions - mm.predictions.square()) * mm.variances  # λv
     out: dict[str, Any] = {
-        "loo": {form: estimate(form) for form in lgb.memory.LOO_FORMS},
+        "loo": {form: estimate(form) for form in lgb.memory_maps.LOO_FORMS},
         "loo_sources": loo_sources,
         "loo_seconds": seconds,
         "train": float(-p_label.log().mean()),

@@ -11,7 +11,7 @@ from torch import Tensor
 
 import liegroup_blr as lgb
 from liegroup_blr import predictive
-from liegroup_blr.memory import REGIONS
+from liegroup_blr.memory_maps import REGIONS
 
 if TYPE_CHECKING:
     from experiments.common.training import Run
@@ -35,7 +35,8 @@ network without a posterior gives), the residual size ‖eᵢ‖₁ alone (the s
 variance removed) and the total prediction variance alone (with the residual removed)."""
 
 ERROR_THRESHOLD, VARIANCE_QUANTILE = 1.0, 0.9
-"""The region boundaries of the two-axis maps (:meth:`liegroup_blr.memory.MemoryMap.regions`)."""
+"""The region boundaries of the two-axis maps
+(:meth:`liegroup_blr.memory_maps.MemoryMap.regions`)."""
 
 
 def train_inputs(run: Run) -> tuple[Tensor, Tensor]:

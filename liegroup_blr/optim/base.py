@@ -30,7 +30,7 @@ from .._userline import warn
 from ..distributions import describe
 from ..groups import LieGroup
 from ..noise import NoiseSource, noise_source
-from ..posterior import Posterior, PosteriorEntry
+from ..posterior import POINT_AT, Posterior, PosteriorEntry
 from ..sharding import local, whole
 from .amp import scaler_step
 from .checks import check_choice, check_count, check_hyperparameters, check_number
@@ -47,10 +47,6 @@ __all__ = ["BLROptimizer"]
 
 Loss = TypeVar("Loss", bound=float | Tensor | None)
 """What a closure returns, and :meth:`BLROptimizer.step` with it."""
-
-POINT_AT = ("g", "mean")
-"""Where the point estimate is read (``point_at``): at the group's reference point ξ₀, or at
-E[ξ]."""
 
 
 GROUP_KEYS = ("lr", "momentum", "base", "data_size", "temperature", "prior_precision")
@@ -103,8 +99,9 @@ class BLROptimizer(Optimizer):
             ``temperature``, ``prior_precision`` and the rule's own).
         rule: the rule's arithmetic, on its Lie group.
         mc_samples: S ≥ 1 samples per :meth:`step` with a closure.
-        point_at: where the point estimate is read, :data:`POINT_AT`: ``"g"`` (at ξ₀ of the
-            group) or ``"mean"`` (at E[ξ]).
+        point_at: where the point estimate is read
+            (:data:`~liegroup_blr.posterior.POINT_AT`): ``"g"`` (at ξ₀ of the group) or
+            ``"mean"`` (at E[ξ]).
         point_estimate: deprecated, ``point_at`` (the name of the block
             :meth:`point_estimate`); taken with a DeprecationWarning for one release.
     """
@@ -564,7 +561,7 @@ class BLROptimizer(Optimizer):
         taus, sizes = ({g.get(k) for g in self.param_groups} for k in ("temperature", "data_size"))
         return Posterior(
             entries,
-            point_estimate=self.point_at,
+            point_at=self.point_at,
             missing=missing,
             size=position,
             temperature=taus.pop() if len(taus) == 1 else None,

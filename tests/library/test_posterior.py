@@ -67,14 +67,14 @@ def _generic(model: nn.Sequential, point_estimate: str) -> BLROptimizer:
         Normal(0.3, 0.1),
         lr=0.1,
         data_size=100,
-        point_estimate=point_estimate,
+        point_at=point_estimate,
         seed=1,
     )
 
 
 RULES: dict[str, Callable[[nn.Sequential, str], BLROptimizer]] = {
     "additive": lambda m, pe: lgb.AdditiveBLR(
-        m.parameters(), lr=0.1, base=Normal(0.2, 0.1), point_estimate=pe, seed=1
+        m.parameters(), lr=0.1, base=Normal(0.2, 0.1), point_at=pe, seed=1
     ),
     "affine": lambda m, pe: lgb.AffineBLR(
         m.parameters(),
@@ -82,7 +82,7 @@ RULES: dict[str, Callable[[nn.Sequential, str], BLROptimizer]] = {
         scale_lr=0.1,
         base=Normal(0.3, 0.1),
         data_size=100,
-        point_estimate=pe,
+        point_at=pe,
         seed=1,
     ),
     "multiplicative": lambda m, pe: lgb.MultiplicativeBLR(
@@ -90,7 +90,7 @@ RULES: dict[str, Callable[[nn.Sequential, str], BLROptimizer]] = {
         lr=0.5,
         data_size=100,
         temperature=0.1,
-        point_estimate=pe,
+        point_at=pe,
         seed=1,
         init="auto",
     ),
