@@ -91,7 +91,7 @@ def mc_step(
         the mean loss over samples. A non-finite algebra gradient (a NaN or infinite loss
         gives one) skips the update, as :meth:`~liegroup_blr.optim.BLROptimizer.step` does.
     """
-    blr = unwrap(optimizer)
+    blr = unwrap(optimizer, BLROptimizer)
     if blr is None:
         raise TypeError(
             f"optimizer: mc_step needs a liegroup_blr optimizer (or a wrapper holding one as "

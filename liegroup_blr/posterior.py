@@ -42,14 +42,18 @@ the optimizers): ``"g"``, θ = readout(g·ξ₀) at the group's reference point 
 θ = readout(g·E[ξ]) at the base's mean in every coordinate."""
 
 
-def unwrap(optimizer: Any) -> Any:
-    """The Lie-group BLR optimizer ``optimizer`` is or wraps, or ``None`` when it holds none (a
-    deterministic optimizer such as ``torch.optim.SGD``).
+def unwrap(optimizer: Any, kind: type | None = None) -> Any:
+    """The optimizer holding a posterior that ``optimizer`` is or wraps, or ``None`` when it
+    holds none (a deterministic optimizer such as ``torch.optim.SGD``).
 
     Wrappers are followed through ``.optimizer`` and ``._optimizer``, wrappers of wrappers
     included, outermost first (a cycle ends the chain): Lightning's ``LightningOptimizer``,
     accelerate's ``AcceleratedOptimizer``. The first object of the chain that holds a
-    posterior (has a ``posterior()`` method) is returned."""
+    posterior (has a ``posterior()`` method), or with ``kind`` the first instance of it
+    (:class:`~liegroup_blr.optim.BLROptimizer`, for what only the Lie-group optimizers do),
+    is returned. The one function of its kind, also :func:`liegroup_blr.optim.unwrap`."""
+    if kind is not None:
+        return next((o for o in _chain(optimizer) if isinstance(o, kind)), None)
     return next((o for o in _chain(optimizer) if callable(getattr(o, "posterior", None))), None)
 
 
@@ -69,6 +73,7 @@ def wrapped(optimizer: Any) -> Iterator[Any]:
 
     Deprecated: use :func:`unwrap`, which returns the Lie-group optimizer of the chain.
     """
+    warn("posterior.wrapped is deprecated; use liegroup_blr.posterior.unwrap", DeprecationWarning)
     return _chain(optimizer)
 
 

@@ -32,7 +32,7 @@ def blr_optimizers(optimizers: Iterable[Any]) -> list[BLROptimizer]:
     """The Lie-group optimizers among ``optimizers`` or behind their wrappers, each once."""
     found: dict[int, BLROptimizer] = {}
     for optimizer in optimizers:
-        blr = unwrap(optimizer)
+        blr = unwrap(optimizer, BLROptimizer)
         if blr is not None:
             found.setdefault(id(blr), blr)
     return list(found.values())

@@ -27,7 +27,7 @@ __all__ = ["BLRTrainer", "BLRTrainerCallback"]
 def check_optimizer(optimizer: Any) -> None:
     """ValueError, in one line naming the fix, unless ``optimizer`` (or what it wraps) can
     take the Trainer's closure-free ``step()``; optimizers of other kinds pass."""
-    blr = unwrap(optimizer)
+    blr = unwrap(optimizer, BLROptimizer)
     if blr is None:
         return
     if not blr.holds_samples:
@@ -46,7 +46,11 @@ def check_optimizer(optimizer: Any) -> None:
 def _warn_unless_blr(optimizer: Any, args: Any) -> None:
     """Warn, naming how to pass a Lie-group optimizer, when ``optimizer`` (an instance or a
     class) is not one: the Trainer then trains without a posterior."""
-    kind = optimizer if isinstance(optimizer, type) else type(unwrap(optimizer) or optimizer)
+    kind = (
+        optimizer
+        if isinstance(optimizer, type)
+        else type(unwrap(optimizer, BLROptimizer) or optimizer)
+    )
     if issubclass(kind, BLROptimizer):
         return
     warnings.warn(
@@ -88,7 +92,7 @@ class BLRTrainerCallback(transformers.TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         optimizer = kwargs.get("optimizer")
         check_optimizer(optimizer)
-        resume([o for o in self._ended if o is unwrap(optimizer)])
+        resume([o for o in self._ended if o is unwrap(optimizer, BLROptimizer)])
         self._parked, self._ended = [], []
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -8,6 +8,7 @@ public too: each rule's formulas, their in-place twins and its compiled update, 
 and new rules.
 """
 
+from ..posterior import unwrap
 from . import additive, affine, generic, kernel_utils, multiplicative
 from .additive import AdditiveBLR
 from .affine import AffineBLR
@@ -18,7 +19,6 @@ from .multiplicative import MultiplicativeBLR
 from .options import EngineOptions
 from .rule import Rule
 from .tensors import Sample
-from .wrappers import unwrap
 
 __all__ = [
     "AdditiveBLR",
