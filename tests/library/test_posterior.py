@@ -572,4 +572,18 @@ def test_unwrap_is_the_one_name_and_holder_and_wrapped_its_deprecated_ones() -> 
     assert lgb.posterior.unwrap(cycle) is None
     with pytest.warns(DeprecationWarning, match="posterior.unwrap"):
         assert lgb.posterior.holder(outer) is opt
-    assert list(lgb.posterior.wrapped(outer)) == [outer, outer.optimizer, opt]
+    with pytest.warns(DeprecationWarning, match="posterior.unwrap"):
+        assert list(lgb.posterior.wrapped(outer)) == [outer, outer.optimizer, opt]
+    assert lgb.optim.unwrap is lgb.posterior.unwrap  # one function, two homes
+
+    class HoldsAPosterior:  # e.g. mean-field VI: a posterior, but not a Lie-group optimizer
+        def __init__(self, inner: Any) -> None:
+            self.optimizer = inner
+
+        def posterior(self) -> None:
+            return None
+
+    vi = HoldsAPosterior(opt)
+    assert lgb.posterior.unwrap(vi) is vi
+    assert lgb.posterior.unwrap(vi, lgb.optim.BLROptimizer) is opt
+    assert lgb.posterior.unwrap(HoldsAPosterior(None), lgb.optim.BLROptimizer) is None
