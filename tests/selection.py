@@ -78,7 +78,6 @@ SLOW: dict[str, tuple[str, ...]] = {
         "test_training_learns_the_synthetic_task",
     ),
     "tests/drivers/test_experiments_parts.py": (
-        "test_a_helper_module_says_what_it_is_and_which_driver_to_run",
         "test_mnist5k_split_is_stratified_in_file_order",
         "test_rules_train_nhwc_weights_as_nchw",
     ),
