@@ -65,6 +65,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(liegroup_blr\.optim\.generic\.)?Preconditioner"),
     (r"py:.*", r"liegroup_blr\.posterior_io\.E"),  # a type variable of a signature
     (r"py:.*", r"(liegroup_blr\.optim\.base\.)?Loss"),  # step()'s type variable
+    (r"py:.*", r"(liegroup_blr\.optim\.writes\.)?Method"),  # adopts_writes' type variable
     (r"py:.*", r"(liegroup_blr\.optim\.(engine|holding)\.)?(Stepped|Holding)"),  # protocols
     (r"py:(class|exc|obj|data)", r"(int|float|str|bool|bytes|dict|list|tuple|object|None)"),
     (r"py:(class|exc|obj)", r"(ValueError|RuntimeError|RuntimeWarning|NotImplementedError)"),

@@ -193,12 +193,12 @@ class BLROptimizer(Optimizer):
 
     @property
     def point_at(self) -> str:
-        """Where the point estimate is read: ``"g"`` (at ξ₀) or ``"mean"`` (at E[ξ])."""
+        """The place the point estimate is read at, ``"g"`` (ξ₀) or ``"mean"`` (E[ξ])."""
         return self._engine.point_at
 
     @property
     def point_convention(self) -> str:
-        """Deprecated: :attr:`point_at`."""
+        """The deprecated name of :attr:`point_at`."""
         warn(
             "point_convention is now point_at: the old name goes in the next release",
             DeprecationWarning,

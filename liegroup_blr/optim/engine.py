@@ -81,7 +81,7 @@ class Engine:
         rule: the rule's arithmetic.
         noise: the noise source.
         between_steps: what the parameters hold between steps (``"point"`` or
-            ``"sample"``: the holding, :mod:`~liegroup_blr.optim.holding`).
+            ``"sample"``: the holding, ``liegroup_blr.optim.holding``).
         mc_samples: S samples per step with a closure.
         point_at: ``"g"`` or ``"mean"`` (where the point estimate is read).
         compile: whether updates run compiled.
@@ -671,7 +671,7 @@ class Engine:
 
     def check(self, work: list[Work], proposals: list[Proposal], finite: bool) -> bool:
         """Whether every param group proposed and every proposal is finite: the sums first,
-        one host sync where they are finite (:func:`all_finite`'s test); the shards' ranks
+        one host sync where they are finite (``all_finite``'s test); the shards' ranks
         agree."""
         checked = [t for proposal in proposals for t in proposal.checked]
         sums = [s for pr in proposals for s in (pr.sums or [t.sum() for t in pr.checked])]

@@ -126,7 +126,7 @@ class SampleHolding:
         resident: the training sample the parameters hold (``None`` after
             :meth:`~liegroup_blr.optim.BLROptimizer.restore`).
         rng: the noise generators' state from before the resident sample's draw.
-        draw_next: whether the running update draws the next sample (:meth:`open_draw_next`).
+        draw_next: whether the running update draws the next sample (``open_draw_next``).
     """
 
     holds_samples = True
