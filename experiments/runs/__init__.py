@@ -1,0 +1,1 @@
+"""Runs of a config: one run, runs compared over seeds, tuning, post-hoc Laplace beside them."""
