@@ -43,13 +43,13 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from experiments.runs import compare
-from experiments.common import ood, runfiles, skeleton
 from experiments.common import config as config_module
+from experiments.common import ood, runfiles, skeleton
 from experiments.common.data import test_batches
 from experiments.common.distributed import Processes
 from experiments.common.tables import LEFT, RIGHT, markdown
 from experiments.common.training import CHECKPOINT, RESULTS, Run, build, load_checkpoint
+from experiments.runs import compare
 from liegroup_blr import predictive
 
 LAPLACE: dict[str, Any] = {

@@ -33,12 +33,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from experiments.runs import compare
-from experiments.common import runfiles, skeleton
 from experiments.common import config as config_module
+from experiments.common import runfiles, skeleton
 from experiments.common import training as train_module
 from experiments.common.tables import LEFT, RIGHT, markdown
 from experiments.common.training import DivergedError
+from experiments.runs import compare
 
 METRICS = ("nll", "accuracy", "ece", "brier")
 ESTIMATES = ("average", "point")
